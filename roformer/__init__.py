@@ -1,0 +1,1 @@
+"""RoFormer-JAX: a Flax NNX RoFormer with pluggable positional encodings."""

@@ -1,0 +1,26 @@
+"""Frozen configuration of the input pipeline."""
+
+import dataclasses
+
+SOURCES = ("pystdlib", "files", "hub")
+TOKENIZERS = ("bytes", "bpe", "wordpiece")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  source: str = "pystdlib"  # pystdlib | files | hub
+  files: str = ""  # files: glob of .txt / .jsonl / .parquet
+  validation_files: str = ""  # files: optional glob; else the last validation_fraction is held out
+  validation_fraction: float = 0.05
+  text_field: str = "text"  # .jsonl / .parquet / hub column holding the text
+  hub_name: str = ""
+  hub_config: str = ""
+  hub_train_split: str = "train"
+  hub_validation_split: str = "validation"
+  streaming: bool = False
+  tokenizer: str = "bytes"  # bytes | bpe | wordpiece | path/to/tokenizer.json
+  vocab_size: int = 8192  # for trained tokenizers (bpe, wordpiece)
+  seq_len: int = 512
+  pack: bool = False  # decoder: pack documents with segment ids instead of joining with EOS
+  mlm_probability: float = 0.15
+  cache_dir: str = ""  # "" = $ROFORMER_CACHE or ~/.cache/roformer

@@ -1,0 +1,44 @@
+"""Frozen configuration of the positional encodings (the library never sees a ConfigDict)."""
+
+import dataclasses
+
+POSENC_KINDS = ("sinusoidal", "learned", "t5", "alibi", "rope", "xpos", "nope")
+ROPE_LAYOUTS = ("interleaved", "half")
+SCALING_KINDS = ("none", "linear", "ntk", "dynamic", "ntk_by_parts", "yarn", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+  """A RoPE context-extension scaling; `kind="none"` leaves the frequencies alone.
+
+  Zero means "not set" for `original_max_len` (then the run's training length is used),
+  `mscale` and `mscale_all_dim` (then YaRN's attention factor is 0.1 ln(factor) + 1).
+  """
+
+  kind: str = "none"
+  factor: float = 1.0
+  original_max_len: int = 0
+  beta_fast: float = 32.0
+  beta_slow: float = 1.0
+  mscale: float = 0.0
+  mscale_all_dim: float = 0.0
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+
+  def as_mapping(self) -> dict | None:
+    """The mapping `rope_frequencies(scaling=...)` takes, or None for kind "none"."""
+    return None if self.kind == "none" else dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class PosEncConfig:
+  kind: str = "rope"
+  max_len: int = 512  # learned: size of the position table
+  max_wavelength: float = 10000.0  # RoPE/xPos base b in theta_i = b^(-2i/d); sinusoidal too
+  rope_layout: str = "interleaved"  # interleaved: pairs (2i, 2i+1); half: pairs (i, i + d/2)
+  rope_fraction: float = 1.0  # fraction of each head's dimensions that rotate
+  t5_num_buckets: int = 32
+  t5_max_distance: int = 128
+  xpos_gamma: float = 0.4
+  xpos_scale_base: float = 512.0
+  scaling: RopeScaling = RopeScaling()
