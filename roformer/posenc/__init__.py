@@ -1,0 +1,99 @@
+"""Every positional encoding: pure math functions, small modules and one registry.
+
+An encoding acts through up to three hooks of `PosEnc` (embed, rotate, bias); `POSENCS` maps
+`posenc.kind` to its class and is the only switch on the kind.
+"""
+
+import jax.numpy as jnp
+from flax import nnx
+
+from roformer.posenc.absolute import Learned, Sinusoidal, sinusoidal_embedding
+from roformer.posenc.base import NoPE, PosEnc
+from roformer.posenc.relative import Alibi, T5Bias, alibi_slopes, t5_relative_bucket
+from roformer.posenc.rope import (
+  Rope,
+  XPos,
+  apply_rotary,
+  rope_long_term_decay,
+  rope_sin_cos,
+  rotary_dims,
+)
+from roformer.posenc.rope_scaling import check_scaling, rope_frequencies
+from roformer.posenc_config import ROPE_LAYOUTS, SCALING_KINDS, PosEncConfig
+
+POSENCS: dict[str, type[PosEnc]] = {
+  "rope": Rope,
+  "sinusoidal": Sinusoidal,
+  "learned": Learned,
+  "alibi": Alibi,
+  "t5": T5Bias,
+  "xpos": XPos,
+  "nope": NoPE,
+}
+
+
+def validate_posenc(cfg: PosEncConfig, *, causal: bool, head_dim: int, seq_len: int = 0) -> None:
+  """Raises ValueError, naming the config field and its allowed values, for a bad posenc config.
+
+  Args:
+    cfg: the positional-encoding config.
+    causal: True for a decoder, False for an encoder.
+    head_dim: the model's per-head dim (model.head_dim after its default is resolved).
+    seq_len: the training or evaluation length, 0 if unknown (checked against posenc.max_len).
+  """
+  if cfg.kind not in POSENCS:
+    raise ValueError(f"posenc.kind={cfg.kind!r} is not one of {tuple(POSENCS)}")
+  if cfg.rope_layout not in ROPE_LAYOUTS:
+    raise ValueError(f"posenc.rope_layout={cfg.rope_layout!r} is not one of {ROPE_LAYOUTS}")
+  if cfg.scaling.kind not in SCALING_KINDS:
+    raise ValueError(f"posenc.scaling.kind={cfg.scaling.kind!r} is not one of {SCALING_KINDS}")
+  if not 0 < cfg.rope_fraction <= 1:
+    raise ValueError(f"posenc.rope_fraction={cfg.rope_fraction} must be in (0, 1]")
+  check_scaling(cfg.scaling, need_original_len=False)
+  POSENCS[cfg.kind].check_config(cfg, causal=causal, head_dim=head_dim, seq_len=seq_len)
+
+
+def make_posenc(
+  cfg: PosEncConfig,
+  *,
+  num_heads: int,
+  head_dim: int,
+  emb_dim: int,
+  causal: bool,
+  param_dtype=jnp.float32,
+  rngs: nnx.Rngs,
+) -> PosEnc:
+  """Validates `cfg` and builds the encoding `POSENCS[cfg.kind]` (one per model)."""
+  validate_posenc(cfg, causal=causal, head_dim=head_dim)
+  return POSENCS[cfg.kind](
+    cfg,
+    num_heads=num_heads,
+    head_dim=head_dim,
+    emb_dim=emb_dim,
+    causal=causal,
+    param_dtype=param_dtype,
+    rngs=rngs,
+  )
+
+
+__all__ = [
+  "POSENCS",
+  "Alibi",
+  "Learned",
+  "NoPE",
+  "PosEnc",
+  "Rope",
+  "Sinusoidal",
+  "T5Bias",
+  "XPos",
+  "alibi_slopes",
+  "apply_rotary",
+  "make_posenc",
+  "rope_frequencies",
+  "rope_long_term_decay",
+  "rope_sin_cos",
+  "rotary_dims",
+  "sinusoidal_embedding",
+  "t5_relative_bucket",
+  "validate_posenc",
+]

@@ -1,0 +1,79 @@
+"""The positional-encoding interface: a module with three identity hooks (embed, rotate, bias).
+
+Legend: B batch, L query length, S key length, H query heads, G key/value heads, K head dim,
+D model dim.
+"""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from roformer.posenc_config import PosEncConfig
+
+
+class PosEnc(nnx.Module):
+  """Base class: every hook is the identity, so a subclass overrides only the sites it acts at.
+
+  The model creates one instance, calls `embed` once on the token embeddings and hands the
+  instance to every attention layer, which calls `rotate` and `bias` unconditionally.
+  """
+
+  def __init__(
+    self,
+    cfg: PosEncConfig,
+    *,
+    num_heads: int,
+    head_dim: int,
+    emb_dim: int,
+    causal: bool,
+    param_dtype=jnp.float32,
+    rngs: nnx.Rngs,
+  ):
+    del rngs  # only encodings with parameters draw from it
+    self.cfg = cfg
+    self.num_heads = num_heads
+    self.head_dim = head_dim
+    self.emb_dim = emb_dim
+    self.causal = causal
+    self.param_dtype = jnp.dtype(param_dtype)
+
+  @classmethod
+  def check_config(cls, cfg: PosEncConfig, *, causal: bool, head_dim: int, seq_len: int) -> None:
+    """Raises ValueError for settings this encoding cannot honour (see `validate_posenc`)."""
+    del causal, head_dim, seq_len
+    if cfg.scaling.kind != "none":
+      raise ValueError(
+        f"posenc.scaling.kind={cfg.scaling.kind!r} applies only to the rotary encodings "
+        f"(posenc.kind in ('rope', 'xpos')), not posenc.kind={cfg.kind!r}; "
+        "set posenc.scaling.kind='none'"
+      )
+
+  def embed(self, x_BLD: jax.Array, pos_BL: jax.Array) -> jax.Array:
+    """Adds absolute position information to token embeddings [B, L, D] (identity here)."""
+    del pos_BL
+    return x_BLD
+
+  def rotate(
+    self, q_BLHK: jax.Array, k_BSGK: jax.Array, qpos_BL: jax.Array, kpos_BS: jax.Array
+  ) -> tuple[jax.Array, jax.Array]:
+    """Transforms queries [B, L, H, K] and keys [B, S, G, K] by position (identity here)."""
+    del qpos_BL, kpos_BS
+    return q_BLHK, k_BSGK
+
+  def bias(self, qpos_BL: jax.Array, kpos_BS: jax.Array) -> jax.Array | None:
+    """Float32 attention-logit bias [B, H, L, S] for any block of positions, or None."""
+    del qpos_BL, kpos_BS
+    return None
+
+
+class NoPE(PosEnc):
+  """No positional encoding (Kazemnejad et al. 2023): a causal decoder infers order by its mask."""
+
+
+def check_positions(pos: jax.Array, name: str, leading: tuple[int, ...] | None = None) -> None:
+  """Raises ValueError unless `pos` is an integer [B, L] array (equal to `leading` when given)."""
+  if pos.ndim != 2 or (leading is not None and tuple(pos.shape) != tuple(leading)):
+    want = "[B, L]" if leading is None else f"[B, L] = {tuple(leading)}"
+    raise ValueError(f"{name} must have shape {want}, got {tuple(pos.shape)}")
+  if not jnp.issubdtype(pos.dtype, jnp.integer):
+    raise ValueError(f"{name} must hold integer positions, got dtype {pos.dtype}")

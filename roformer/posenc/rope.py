@@ -1,0 +1,225 @@
+"""Rotary position embedding (RoFormer, Su et al. 2021) and xPos (Sun et al. 2022).
+
+Angles, sin and cos are always float32 (positions are cast before multiplying): in bfloat16 a
+position such as 65,537 is not even representable, so reduced-precision angles are wrong by
+whole turns. Rotation happens in float32 and the result is cast back to the input dtype.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from roformer.posenc.base import PosEnc, check_positions
+from roformer.posenc.rope_scaling import check_scaling, rope_frequencies
+from roformer.posenc_config import PosEncConfig
+
+
+def rotary_dims(head_dim: int, rope_fraction: float) -> int:
+  """The number of rotated dims: rope_fraction * head_dim rounded down to an even number."""
+  # The tiny epsilon keeps e.g. 0.29 * 100 = 28.999... from losing a pair to float rounding.
+  return 2 * int(rope_fraction * head_dim / 2 + 1e-9)
+
+
+def rope_sin_cos(
+  pos_BL: jax.Array, inv_freq: jax.Array, scale: float | jax.Array = 1.0
+) -> tuple[jax.Array, jax.Array]:
+  """Float32 sin and cos of the angles pos * theta_i, times `scale`.
+
+  Args:
+    pos_BL: integer positions [B, L].
+    inv_freq: float32 [d/2] inverse frequencies (`rope_frequencies`).
+    scale: a float (e.g. the attention factor of a scaling) or a float32 [B, L, d/2] array.
+
+  Returns:
+    (sin_BLk, cos_BLk), float32 [B, L, d/2].
+  """
+  # Positions go to float32 before the product: exact up to 2^24.
+  angle_BLk = pos_BL.astype(jnp.float32)[:, :, None] * inv_freq.astype(jnp.float32)[None, None, :]
+  return jnp.sin(angle_BLk) * scale, jnp.cos(angle_BLk) * scale
+
+
+def _rotate_interleaved(x_BLHd, sin_BL1k, cos_BL1k):
+  # Pairs (2i, 2i+1): the RoFormer paper, HF RoFormer checkpoints, bert4keras.
+  pairs = x_BLHd.reshape(*x_BLHd.shape[:-1], -1, 2)
+  x1, x2 = pairs[..., 0], pairs[..., 1]
+  y = jnp.stack([x1 * cos_BL1k - x2 * sin_BL1k, x2 * cos_BL1k + x1 * sin_BL1k], axis=-1)
+  return y.reshape(x_BLHd.shape)
+
+
+def _rotate_half(x_BLHd, sin_BL1k, cos_BL1k):
+  # Pairs (i, i + d/2): GPT-NeoX, LLaMA, flaxformer.
+  x1, x2 = jnp.split(x_BLHd, 2, axis=-1)
+  return jnp.concatenate([x1 * cos_BL1k - x2 * sin_BL1k, x2 * cos_BL1k + x1 * sin_BL1k], axis=-1)
+
+
+ROTATIONS = {"interleaved": _rotate_interleaved, "half": _rotate_half}
+
+
+def apply_rotary(
+  x_BLHK: jax.Array, sin_BLk: jax.Array, cos_BLk: jax.Array, *, layout: str = "interleaved"
+) -> jax.Array:
+  """Rotates the first d = 2 * sin.shape[-1] dims of every head; the rest pass through.
+
+  Each pair (x1, x2) becomes (x1 cos - x2 sin, x2 cos + x1 sin), computed in float32.
+
+  Args:
+    x_BLHK: queries or keys [B, L, H, K], any float dtype.
+    sin_BLk, cos_BLk: float32 [B, L, d/2] (`rope_sin_cos`), shared by all heads.
+    layout: "interleaved" (pairs 2i, 2i+1) or "half" (pairs i, i + d/2).
+
+  Returns:
+    [B, L, H, K] in the dtype of x.
+  """
+  if layout not in ROTATIONS:
+    raise ValueError(f"posenc.rope_layout={layout!r} is not one of {tuple(ROTATIONS)}")
+  d = 2 * sin_BLk.shape[-1]
+  if x_BLHK.ndim != 4 or d > x_BLHK.shape[-1]:
+    raise ValueError(f"expected [B, L, H, K] with K >= {d}, got shape {tuple(x_BLHK.shape)}")
+  rotated = ROTATIONS[layout](
+    x_BLHK[..., :d].astype(jnp.float32), sin_BLk[:, :, None, :], cos_BLk[:, :, None, :]
+  ).astype(x_BLHK.dtype)
+  if d == x_BLHK.shape[-1]:
+    return rotated
+  return jnp.concatenate([rotated, x_BLHK[..., d:]], axis=-1)
+
+
+def rope_long_term_decay(head_dim: int, max_distance: int, base: float = 10000.0) -> np.ndarray:
+  """RoFormer's long-term-decay bound (section 3.4.3) against relative distance.
+
+  With theta_k = base^(-2k/d) and S_j = sum_{k<j} exp(i m theta_k), the attention score of a
+  relative distance m is bounded by max_i |h_i - h_{i+1}| * sum_j |S_j|; this returns the
+  relative-distance part (1 / (d/2)) sum_{j=1}^{d/2} |S_j|, which decays as m grows.
+
+  Args:
+    head_dim: d (even).
+    max_distance: the largest m.
+    base: the RoPE base.
+
+  Returns:
+    float64 [max_distance + 1], the value for m = 0 .. max_distance.
+  """
+  if head_dim < 2 or head_dim % 2:
+    raise ValueError(f"head_dim must be even and >= 2, got {head_dim}")
+  theta = base ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+  m = np.arange(max_distance + 1, dtype=np.float64)
+  partial_sums = np.cumsum(np.exp(1j * m[:, None] * theta[None, :]), axis=1)  # S_1 .. S_{d/2}
+  return np.abs(partial_sums).mean(axis=1)
+
+
+def _check_qk(q_BLHK, k_BSGK, qpos_BL, kpos_BS, head_dim):
+  for name, x in (("q_BLHK", q_BLHK), ("k_BSGK", k_BSGK)):
+    if x.ndim != 4 or x.shape[-1] != head_dim:
+      raise ValueError(f"{name} must be [B, L, heads, {head_dim}], got {tuple(x.shape)}")
+  check_positions(qpos_BL, "qpos_BL", q_BLHK.shape[:2])
+  check_positions(kpos_BS, "kpos_BS", k_BSGK.shape[:2])
+
+
+class Rope(PosEnc):
+  """Rotary position embedding on the first `rope_fraction` of each head's dims.
+
+  Scores depend on positions only through m - n. The `posenc.scaling` of the config rescales
+  the frequencies (`rope_frequencies`); its attention factor multiplies sin and cos. Dynamic
+  NTK reads the current length as max(kpos_BS) + 1, a traced value inside jit, so the keys of
+  one `rotate` call must be the whole sequence the frequencies should adapt to.
+  """
+
+  def __init__(self, cfg: PosEncConfig, *, head_dim: int, **kwargs):
+    super().__init__(cfg, head_dim=head_dim, **kwargs)
+    self.rotary_dims = rotary_dims(head_dim, cfg.rope_fraction)
+    check_scaling(cfg.scaling)  # here the original length must be known
+
+  @classmethod
+  def check_config(cls, cfg: PosEncConfig, *, causal: bool, head_dim: int, seq_len: int) -> None:
+    del causal, seq_len
+    if head_dim % 2:
+      raise ValueError(
+        f"model.head_dim={head_dim} must be even for posenc.kind={cfg.kind!r} "
+        "(rotary encodings rotate pairs of dims)"
+      )
+    if rotary_dims(head_dim, cfg.rope_fraction) < 2:
+      raise ValueError(
+        f"posenc.rope_fraction={cfg.rope_fraction} of model.head_dim={head_dim} leaves no pair "
+        "of dims to rotate; raise posenc.rope_fraction"
+      )
+    if not cfg.max_wavelength > 1:
+      raise ValueError(f"posenc.max_wavelength={cfg.max_wavelength} must be > 1")
+    check_scaling(cfg.scaling, need_original_len=False)
+    if cfg.scaling.kind in ("ntk", "dynamic") and rotary_dims(head_dim, cfg.rope_fraction) <= 2:
+      raise ValueError(
+        f"posenc.scaling.kind={cfg.scaling.kind!r} needs at least 4 rotary dims "
+        f"(model.head_dim={head_dim}, posenc.rope_fraction={cfg.rope_fraction})"
+      )
+
+  def frequencies(self, kpos_BS: jax.Array) -> tuple[jax.Array, float]:
+    """(inv_freq float32 [d/2], attention factor) for keys at `kpos_BS`."""
+    # Only "dynamic" reads seq_len; elsewhere the max is dead code that jit removes.
+    seq_len = jnp.max(kpos_BS) + 1
+    return rope_frequencies(
+      self.rotary_dims, self.cfg.max_wavelength, self.cfg.scaling, seq_len=seq_len
+    )
+
+  def rotate(self, q_BLHK, k_BSGK, qpos_BL, kpos_BS):
+    """Rotates q [B, L, H, K] and k [B, S, G, K] (G may be < H); dtypes are preserved."""
+    _check_qk(q_BLHK, k_BSGK, qpos_BL, kpos_BS, self.head_dim)
+    inv_freq, attention_factor = self.frequencies(kpos_BS)
+    layout = self.cfg.rope_layout
+    sin_q, cos_q = rope_sin_cos(qpos_BL, inv_freq, attention_factor)
+    sin_k, cos_k = rope_sin_cos(kpos_BS, inv_freq, attention_factor)
+    return (
+      apply_rotary(q_BLHK, sin_q, cos_q, layout=layout),
+      apply_rotary(k_BSGK, sin_k, cos_k, layout=layout),
+    )
+
+
+class XPos(Rope):
+  """xPos (Sun et al. 2022): RoPE whose pair i is scaled by zeta_i^(n / scale_base).
+
+  zeta_i = (2i + gamma d) / ((1 + gamma) d); queries are scaled by zeta^(n/scale_base) and keys
+  by zeta^(-n/scale_base), so a score carries zeta^((m - n)/scale_base), which decays with
+  distance when keys precede queries (hence causal only). The position n is centred by a
+  per-row constant c = (min(kpos) + max(kpos)) // 2 before scaling: c cancels in every q.k
+  product of one `rotate` call, so scores are unchanged, while the scales stay finite far from
+  position 0 (|n - c| is at most half the key span; a row's span must stay below about
+  176 * scale_base / ln(1/zeta_0) positions, ~72k for the defaults). Queries and keys that meet
+  in one attention must therefore be rotated in the same call. Scales are float32.
+  """
+
+  @classmethod
+  def check_config(cls, cfg: PosEncConfig, *, causal: bool, head_dim: int, seq_len: int) -> None:
+    super().check_config(cfg, causal=causal, head_dim=head_dim, seq_len=seq_len)
+    if not causal:
+      raise ValueError(
+        "posenc.kind='xpos' needs a causal decoder (model.kind='decoder'): its scale "
+        "zeta^((m - n)/scale_base) decays only for keys before the query and grows without bound "
+        "for keys after it; for an encoder use posenc.kind in ('rope', 'alibi', 't5')"
+      )
+    if not cfg.xpos_gamma > 0:
+      raise ValueError(f"posenc.xpos_gamma={cfg.xpos_gamma} must be > 0")
+    if not cfg.xpos_scale_base > 0:
+      raise ValueError(f"posenc.xpos_scale_base={cfg.xpos_scale_base} must be > 0")
+
+  def log_zeta(self) -> np.ndarray:
+    """ln zeta_i, float32 [d/2]."""
+    d, gamma = self.rotary_dims, self.cfg.xpos_gamma
+    zeta = (np.arange(0, d, 2, dtype=np.float64) + gamma * d) / ((1 + gamma) * d)
+    return np.log(zeta).astype(np.float32)
+
+  def rotate(self, q_BLHK, k_BSGK, qpos_BL, kpos_BS):
+    """Rotates and scales q [B, L, H, K] and k [B, S, G, K]; dtypes are preserved."""
+    _check_qk(q_BLHK, k_BSGK, qpos_BL, kpos_BS, self.head_dim)
+    inv_freq, attention_factor = self.frequencies(kpos_BS)
+    # Per-row centre; integer arithmetic so that n - c is exact.
+    c_B1 = ((jnp.min(kpos_BS, axis=1) + jnp.max(kpos_BS, axis=1)) // 2)[:, None]
+    log_zeta_11k = jnp.asarray(self.log_zeta())[None, None, :]
+    inv_base = 1.0 / self.cfg.xpos_scale_base
+    nq_BL1 = ((qpos_BL - c_B1).astype(jnp.float32) * inv_base)[:, :, None]
+    nk_BS1 = ((kpos_BS - c_B1).astype(jnp.float32) * inv_base)[:, :, None]
+    scale_q = jnp.exp(nq_BL1 * log_zeta_11k) * attention_factor
+    scale_k = jnp.exp(-nk_BS1 * log_zeta_11k) * attention_factor
+    layout = self.cfg.rope_layout
+    sin_q, cos_q = rope_sin_cos(qpos_BL, inv_freq, scale_q)
+    sin_k, cos_k = rope_sin_cos(kpos_BS, inv_freq, scale_k)
+    return (
+      apply_rotary(q_BLHK, sin_q, cos_q, layout=layout),
+      apply_rotary(k_BSGK, sin_k, cos_k, layout=layout),
+    )

@@ -1,0 +1,198 @@
+"""RoPE inverse frequencies and their context-extension scalings, as pure functions.
+
+linear, dynamic, yarn and llama3 match Hugging Face transformers' `modeling_rope_utils` (checked
+against tests/fixtures/rope_hf.json); `ntk` is the static NTK-aware base change and
+`ntk_by_parts` is YaRN's interpolation without its attention factor.
+"""
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from roformer.posenc_config import SCALING_KINDS, RopeScaling
+
+_DEFAULTS = dataclasses.asdict(RopeScaling())
+# Kinds whose formula needs the pretraining length L0 (posenc.scaling.original_max_len).
+_NEEDS_ORIGINAL_LEN = ("dynamic", "ntk_by_parts", "yarn", "llama3")
+
+
+def scaling_fields(scaling: RopeScaling | Mapping[str, Any] | None) -> dict[str, Any] | None:
+  """Normalises a scaling (dataclass, partial mapping or None) to a full dict, or None for none."""
+  if scaling is None:
+    return None
+  if isinstance(scaling, RopeScaling):
+    scaling = dataclasses.asdict(scaling)
+  unknown = set(scaling) - set(_DEFAULTS)
+  if unknown:
+    raise ValueError(
+      f"unknown posenc.scaling field(s) {sorted(unknown)}; allowed: {sorted(_DEFAULTS)}"
+    )
+  fields = {**_DEFAULTS, **scaling}
+  return None if fields["kind"] == "none" else fields
+
+
+def check_scaling(
+  scaling: RopeScaling | Mapping[str, Any] | None, *, need_original_len: bool = True
+) -> None:
+  """Raises ValueError naming the posenc.scaling field that is out of range.
+
+  Args:
+    scaling: the scaling config.
+    need_original_len: whether an unset `original_max_len` (0) is an error. The config boundary
+      fills it with the training length, so validation before that point passes False.
+  """
+  s = scaling_fields(scaling)
+  if s is None:
+    return
+  if s["kind"] not in SCALING_KINDS:
+    raise ValueError(f"posenc.scaling.kind={s['kind']!r} is not one of {SCALING_KINDS}")
+  if not s["factor"] >= 1.0:
+    raise ValueError(
+      f"posenc.scaling.factor={s['factor']} must be >= 1 for posenc.scaling.kind="
+      f"{s['kind']!r} (it is the context-extension ratio; use kind 'none' for no scaling)"
+    )
+  if s["original_max_len"] < 0:
+    raise ValueError(f"posenc.scaling.original_max_len={s['original_max_len']} must be >= 0")
+  if need_original_len and s["kind"] in _NEEDS_ORIGINAL_LEN and s["original_max_len"] <= 0:
+    raise ValueError(
+      f"posenc.scaling.original_max_len must be > 0 (the pretraining length) for "
+      f"posenc.scaling.kind={s['kind']!r}; 0 means 'the training length' and is filled in by "
+      "the config loader"
+    )
+  if s["kind"] in ("ntk_by_parts", "yarn") and not (s["beta_fast"] > 0 and s["beta_slow"] > 0):
+    raise ValueError(
+      f"posenc.scaling.beta_fast={s['beta_fast']} and posenc.scaling.beta_slow={s['beta_slow']} "
+      "must both be > 0"
+    )
+  if s["kind"] == "yarn" and (s["mscale"] < 0 or s["mscale_all_dim"] < 0):
+    raise ValueError("posenc.scaling.mscale and posenc.scaling.mscale_all_dim must be >= 0")
+  if s["kind"] == "llama3" and not 0 < s["low_freq_factor"] < s["high_freq_factor"]:
+    raise ValueError(
+      f"posenc.scaling.low_freq_factor={s['low_freq_factor']} and posenc.scaling."
+      f"high_freq_factor={s['high_freq_factor']} must satisfy 0 < low_freq_factor < "
+      "high_freq_factor"
+    )
+
+
+def rope_frequencies(
+  head_dim: int,
+  max_wavelength: float = 10000.0,
+  scaling: RopeScaling | Mapping[str, Any] | None = None,
+  seq_len: int | jax.Array | None = None,
+) -> tuple[jax.Array, float]:
+  """Inverse frequencies theta_i = b^(-2i/d) of RoPE, optionally rescaled for longer contexts.
+
+  Args:
+    head_dim: d, the number of rotary dimensions (even; the rotated part of a head).
+    max_wavelength: the base b.
+    scaling: None, a `RopeScaling`, or a mapping with "kind" in SCALING_KINDS and any of its
+      fields (missing ones take the `RopeScaling` defaults):
+      - linear: theta_i / factor (position interpolation).
+      - ntk: static NTK-aware base b * factor^(d / (d - 2)).
+      - dynamic: HF's dynamic NTK, b * (factor * L / L0 - (factor - 1))^(d / (d - 2)) with
+        L = max(seq_len, L0) and L0 = original_max_len; equals the plain frequencies up to L0.
+      - ntk_by_parts: YaRN's per-frequency interpolation between theta_i / factor (long
+        wavelengths) and theta_i (short), ramped between beta_slow and beta_fast rotations over
+        L0; attention factor 1.
+      - yarn: ntk_by_parts plus HF's attention factor: mscale(factor, mscale) /
+        mscale(factor, mscale_all_dim) when both are set (non-zero), else mscale(factor, 1),
+        with mscale(s, m) = 0.1 m ln(s) + 1 for s > 1 (1 otherwise). A lone `mscale` is
+        ignored, as in HF.
+      - llama3: Llama 3.1's piecewise scaling with factor, low_freq_factor, high_freq_factor
+        and original_max_len.
+    seq_len: the current length (max position + 1), used by "dynamic" only. A Python int gives
+      a constant; a jax array (e.g. traced inside jit) gives frequencies computed in float32.
+      None means L0.
+
+  Returns:
+    (inv_freq float32 [d // 2], attention_factor). The attention factor multiplies cos and sin
+    of both queries and keys, so the attention logits scale by its square.
+  """
+  if head_dim < 2 or head_dim % 2:
+    raise ValueError(f"rope_frequencies needs an even number of rotary dims, got {head_dim}")
+  if not max_wavelength > 1:
+    raise ValueError(f"posenc.max_wavelength={max_wavelength} must be > 1")
+  check_scaling(scaling)
+  s = scaling_fields(scaling)
+  d, base = head_dim, float(max_wavelength)
+  exponent = np.arange(0, d, 2, dtype=np.float64) / d  # 2i / d
+  inv_freq = base**-exponent
+  if s is None:
+    return _f32(inv_freq), 1.0
+  kind, factor, l0 = s["kind"], float(s["factor"]), s["original_max_len"]
+  if kind in ("ntk", "dynamic") and d <= 2:
+    raise ValueError(f"posenc.scaling.kind={kind!r} needs at least 4 rotary dims, got {d}")
+  if kind == "linear":
+    return _f32(inv_freq / factor), 1.0
+  if kind == "ntk":
+    return _f32((base * factor ** (d / (d - 2))) ** -exponent), 1.0
+  if kind == "dynamic":
+    return _dynamic_ntk(inv_freq, d, factor, l0, seq_len), 1.0
+  if kind in ("ntk_by_parts", "yarn"):
+    inv_freq = _yarn_inv_freq(inv_freq, d, base, factor, l0, s["beta_fast"], s["beta_slow"])
+    if kind == "ntk_by_parts":
+      return _f32(inv_freq), 1.0
+    return _f32(inv_freq), _yarn_attention_factor(factor, s["mscale"], s["mscale_all_dim"])
+  if kind == "llama3":
+    return _f32(_llama3_inv_freq(inv_freq, factor, l0, s)), 1.0
+  raise AssertionError(f"unhandled scaling kind {kind!r}")  # check_scaling rejects these
+
+
+def _f32(x: np.ndarray) -> jax.Array:
+  return jnp.asarray(np.asarray(x, np.float32))
+
+
+def _dynamic_ntk(inv_freq, d, factor, l0, seq_len):
+  # b'^(-2i/d) = b^(-2i/d) * g^(-2i/(d-2)) with g = factor * L / L0 - (factor - 1): scaling the
+  # exact base frequencies by a power of g (close to 1) keeps float32 error at a few ulp, where
+  # raising a large b' to a float32 power would not.
+  power = np.arange(0, d, 2, dtype=np.float64) / (d - 2)
+  if seq_len is None or isinstance(seq_len, int | np.integer):
+    length = max(int(seq_len if seq_len is not None else l0), l0)
+    g = factor * length / l0 - (factor - 1)
+    return _f32(inv_freq * g**-power)
+  length = jnp.maximum(jnp.asarray(seq_len).astype(jnp.float32), jnp.float32(l0))
+  g = jnp.float32(factor) * length / jnp.float32(l0) - jnp.float32(factor - 1)
+  log_g = jnp.log(g)
+  return _f32(inv_freq) * jnp.exp(-_f32(power) * log_g)
+
+
+def _yarn_inv_freq(inv_freq, d, base, factor, l0, beta_fast, beta_slow):
+  def correction_dim(num_rotations):
+    # The dimension whose wavelength makes `num_rotations` turns over the original length.
+    return d * math.log(l0 / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
+
+  # truncate=True (HF's default): whole dims; `high` is clamped to d - 1 as in HF.
+  low = max(math.floor(correction_dim(beta_fast)), 0)
+  high = min(math.ceil(correction_dim(beta_slow)), d - 1)
+  if low == high:
+    high += 0.001  # avoids a zero-width ramp
+  ramp = np.clip((np.arange(d // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
+  extrapolation = 1.0 - ramp  # 1 keeps theta_i (high frequencies), 0 interpolates it
+  return inv_freq / factor * (1.0 - extrapolation) + inv_freq * extrapolation
+
+
+def _yarn_attention_factor(factor, mscale, mscale_all_dim):
+  def get_mscale(scale, m=1.0):
+    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+  if mscale and mscale_all_dim:
+    return float(get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim))
+  return float(get_mscale(factor))
+
+
+def _llama3_inv_freq(inv_freq, factor, l0, s):
+  low, high = s["low_freq_factor"], s["high_freq_factor"]
+  wavelen = 2 * math.pi / inv_freq
+  # Long wavelengths (> L0 / low) are interpolated, short ones (< L0 / high) kept, and the band
+  # between is blended linearly in L0 / wavelength.
+  scaled = np.where(wavelen > l0 / low, inv_freq / factor, inv_freq)
+  smooth = (l0 / wavelen - low) / (high - low)
+  smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+  medium = ~(wavelen < l0 / high) & ~(wavelen > l0 / low)
+  return np.where(medium, smoothed, scaled)
