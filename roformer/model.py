@@ -1,8 +1,23 @@
-"""RoFormer models: Encoder (masked LM) and Decoder (causal LM), their blocks and heads."""
+"""RoFormer models: Encoder (masked LM) and Decoder (causal LM), their blocks and heads.
+
+Dimension legend: B batch, L length, D model dim (emb_dim), E embedding dim (encoder
+embedding_size), H heads, K head dim, F MLP dim, V vocab.
+"""
 
 import dataclasses
 
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from roformer.attention import KERNELS, Attention, merge_blocks, split_blocks
+from roformer.attention import dropout as _dropout
+from roformer.posenc import make_posenc, validate_posenc
 from roformer.posenc_config import PosEncConfig
+
+ACTIVATIONS = ("gelu", "swiglu")
+NORMS = ("layernorm", "rmsnorm")
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,7 +34,9 @@ class ModelConfig:
   activation: str = "gelu"  # gelu | swiglu
   norm: str = "layernorm"  # layernorm | rmsnorm
   norm_eps: float = 1e-12
-  pre_norm: bool = False  # encoder only: False = post-LN (BERT/RoFormer); decoders are always pre-LN
+  pre_norm: bool = (
+    False  # encoder only: False = post-LN (BERT/RoFormer); decoders are always pre-LN
+  )
   use_bias: bool = True
   tie_embeddings: bool = True
   embedding_size: int = 0  # 0 = emb_dim; else embeddings are projected up (HF `embeddings_project`)
@@ -27,5 +44,413 @@ class ModelConfig:
   dtype: str = "float32"  # compute dtype: float32 | bfloat16
   param_dtype: str = "float32"
   attention_impl: str = "auto"  # dense | chunked | auto
-  attention_block: int = 512  # query/key block of the chunked kernel, and sequence block of blockwise eval
+  attention_block: int = (
+    512  # query/key block of the chunked kernel, and sequence block of blockwise eval
+  )
+  attention_window: int = 0  # sliding window: keys within this many positions of the query; 0 = all
   posenc: PosEncConfig = PosEncConfig()
+
+
+def resolve_head_dim(cfg: ModelConfig) -> int:
+  return cfg.head_dim or cfg.emb_dim // cfg.num_heads
+
+
+def resolve_num_kv_heads(cfg: ModelConfig) -> int:
+  return cfg.num_kv_heads or cfg.num_heads
+
+
+def make_model(cfg: ModelConfig, *, rngs: nnx.Rngs) -> "Encoder | Decoder":
+  """Validates `cfg` and builds the Encoder or Decoder it describes.
+
+  Parameters carry logical axis names. Under a mesh (`jax.set_mesh` with logical axis rules) they
+  are created sharded; without one they are created unsharded on the default device.
+  """
+  validate_model(cfg)
+  with nnx.use_eager_sharding(not jax.sharding.get_abstract_mesh().empty):
+    return MODELS[cfg.kind](cfg, rngs=rngs)
+
+
+def _check_choice(field, value, allowed):
+  if value not in allowed:
+    raise ValueError(f"{field}={value!r} is not one of {list(allowed)}")
+
+
+def validate_model(cfg: ModelConfig, *, seq_len: int = 0) -> None:
+  """Raises ValueError naming the field and its allowed values for every bad setting.
+
+  Args:
+    cfg: the model config (its posenc is validated too, causal for decoders).
+    seq_len: the length the model will run at, if known (learned positions must cover it).
+  """
+  _check_choice("model.kind", cfg.kind, MODELS)
+  _check_choice("model.activation", cfg.activation, ACTIVATIONS)
+  _check_choice("model.norm", cfg.norm, NORMS)
+  _check_choice("model.dtype", cfg.dtype, DTYPES)
+  _check_choice("model.param_dtype", cfg.param_dtype, DTYPES)
+  _check_choice("model.attention_impl", cfg.attention_impl, KERNELS)
+  for name in ("vocab_size", "num_layers", "emb_dim", "num_heads", "mlp_dim", "attention_block"):
+    if getattr(cfg, name) < 1:
+      raise ValueError(f"model.{name}={getattr(cfg, name)} must be a positive integer")
+  for name in ("num_kv_heads", "head_dim", "embedding_size", "type_vocab_size", "attention_window"):
+    if getattr(cfg, name) < 0:
+      raise ValueError(f"model.{name}={getattr(cfg, name)} must be >= 0 (0 = default)")
+  if not 0.0 <= cfg.dropout_rate < 1.0:
+    raise ValueError(f"model.dropout_rate={cfg.dropout_rate} must be in [0, 1)")
+  if not cfg.norm_eps > 0.0:
+    raise ValueError(f"model.norm_eps={cfg.norm_eps} must be > 0")
+  num_kv_heads = resolve_num_kv_heads(cfg)
+  if cfg.num_heads % num_kv_heads:
+    raise ValueError(
+      f"model.num_heads={cfg.num_heads} is not divisible by model.num_kv_heads={num_kv_heads}"
+    )
+  if cfg.head_dim == 0 and cfg.emb_dim % cfg.num_heads:
+    raise ValueError(
+      f"model.emb_dim={cfg.emb_dim} is not divisible by model.num_heads={cfg.num_heads}; "
+      "set model.head_dim explicitly"
+    )
+  if cfg.kind == "decoder" and cfg.embedding_size not in (0, cfg.emb_dim):
+    raise ValueError(
+      f"model.embedding_size={cfg.embedding_size} is only supported for model.kind='encoder'; "
+      "use 0 for decoders"
+    )
+  if cfg.kind == "decoder" and cfg.type_vocab_size:
+    raise ValueError(
+      f"model.type_vocab_size={cfg.type_vocab_size} is only supported for model.kind='encoder'; "
+      "use 0 for decoders"
+    )
+  validate_posenc(
+    cfg.posenc, causal=cfg.kind == "decoder", head_dim=resolve_head_dim(cfg), seq_len=seq_len
+  )
+
+
+# ---- Models ----
+
+
+class Encoder(nnx.Module):
+  """Bidirectional masked-LM Transformer laid out as HF RoFormerForMaskedLM.
+
+  Embeddings (word [+ token type] + posenc.embed) -> LayerNorm -> dropout -> optional projection
+  E -> D -> post-LN blocks (pre-LN with `pre_norm`, then a final norm) -> MLM head
+  (dense D -> E, gelu, LayerNorm, decoder tied to the word embeddings, plus a bias).
+  """
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    E = cfg.embedding_size or cfg.emb_dim
+    self.embed = _embed(cfg, cfg.vocab_size, E, rngs)
+    self.token_type_embed = (
+      _embed(cfg, cfg.type_vocab_size, E, rngs) if cfg.type_vocab_size else None
+    )
+    self.posenc = _posenc(cfg, E, causal=False, rngs=rngs)
+    self.embed_norm = _norm(cfg, E, rngs)
+    self.embed_project = (
+      _linear(cfg, E, cfg.emb_dim, (None, "embed"), rngs) if E != cfg.emb_dim else None
+    )
+    self.layers = nnx.List(
+      [Block(cfg, causal=False, pre_norm=cfg.pre_norm, rngs=rngs) for _ in range(cfg.num_layers)]
+    )
+    self.final_norm = _norm(cfg, cfg.emb_dim, rngs) if cfg.pre_norm else None
+    self.head_dense = _linear(cfg, cfg.emb_dim, E, ("embed", None), rngs)
+    self.head_norm = _norm(cfg, E, rngs)
+    self.head_decoder = (
+      None
+      if cfg.tie_embeddings
+      else _linear(cfg, E, cfg.vocab_size, ("embed", "vocab"), rngs, False)
+    )
+    bias_init = nnx.with_partitioning(nnx.initializers.zeros, ("vocab",))
+    self.head_bias = nnx.Param(bias_init(rngs.params(), (cfg.vocab_size,), DTYPES[cfg.param_dtype]))
+
+  def __call__(self, tokens_BL, positions_BL, **kwargs):
+    """Float32 MLM logits [B, L, V]; arguments as `hidden`."""
+    return self.logits(self.hidden(tokens_BL, positions_BL, **kwargs))
+
+  def hidden(
+    self,
+    tokens_BL,
+    positions_BL,
+    *,
+    segment_ids_BL=None,
+    token_type_ids_BL=None,
+    deterministic: bool = True,
+    rngs: nnx.Rngs | None = None,
+  ):
+    """Final hidden states [B, L, D] in the compute dtype, before the MLM head.
+
+    Args:
+      tokens_BL: int32 token ids.
+      positions_BL: int32 positions (restarting per packed document).
+      segment_ids_BL: int32 document ids; tokens attend only within their id. None = one document.
+      token_type_ids_BL: int32 token types (needs model.type_vocab_size > 0; None = all 0).
+      deterministic: False enables dropout, which needs `rngs=nnx.Rngs(dropout=key)`.
+      rngs: dropout keys.
+    """
+    cfg = self.cfg
+    _check_inputs(tokens_BL, positions_BL, segment_ids_BL, token_type_ids_BL, cfg)
+    key = _dropout_key(cfg, deterministic, rngs)
+    x_BLE = self.embed(tokens_BL)
+    if self.token_type_embed is not None:
+      types_BL = jnp.zeros_like(tokens_BL) if token_type_ids_BL is None else token_type_ids_BL
+      x_BLE = x_BLE + self.token_type_embed(types_BL)
+    x_BLE = self.posenc.embed(x_BLE, positions_BL).astype(DTYPES[cfg.dtype])
+
+    def embed_tail(key, x_BLE):
+      x_BLE = _dropout(self.embed_norm(x_BLE), cfg.dropout_rate, key)
+      return x_BLE if self.embed_project is None else self.embed_project(x_BLE)
+
+    x_BLD = _seqwise(embed_tail, x_BLE, block=cfg.attention_block, key=_fold(key, 0))
+    x_BLD = _run_layers(self.layers, x_BLD, positions_BL, self.posenc, segment_ids_BL, key)
+    if self.final_norm is not None:
+      x_BLD = _seqwise(lambda _, x: self.final_norm(x), x_BLD, block=cfg.attention_block)
+    return x_BLD
+
+  def logits(self, h_BLD):
+    """MLM head: hidden [B, L, D] -> float32 logits [B, L, V]."""
+    # HF RoFormer uses the model's hidden_act here; a swiglu model falls back to gelu.
+    t_BLE = self.head_norm(jax.nn.gelu(self.head_dense(h_BLD), approximate=False))
+    if self.head_decoder is None:
+      logits_BLV = self.embed.attend(t_BLE)
+    else:
+      logits_BLV = self.head_decoder(t_BLE)
+    return logits_BLV.astype(jnp.float32) + self.head_bias[...].astype(jnp.float32)[None, None]
+
+
+class Decoder(nnx.Module):
+  """Causal LM: embeddings (+ posenc.embed) -> pre-LN blocks -> final norm -> LM head."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.embed = _embed(cfg, cfg.vocab_size, cfg.emb_dim, rngs)
+    self.posenc = _posenc(cfg, cfg.emb_dim, causal=True, rngs=rngs)
+    self.layers = nnx.List(
+      [Block(cfg, causal=True, pre_norm=True, rngs=rngs) for _ in range(cfg.num_layers)]
+    )
+    self.final_norm = _norm(cfg, cfg.emb_dim, rngs)
+    self.lm_head = (
+      None
+      if cfg.tie_embeddings
+      else _linear(cfg, cfg.emb_dim, cfg.vocab_size, ("embed", "vocab"), rngs, use_bias=False)
+    )
+
+  def __call__(self, tokens_BL, positions_BL, **kwargs):
+    """Float32 next-token logits [B, L, V]; arguments as `hidden`."""
+    return self.logits(self.hidden(tokens_BL, positions_BL, **kwargs))
+
+  def hidden(
+    self,
+    tokens_BL,
+    positions_BL,
+    *,
+    segment_ids_BL=None,
+    token_type_ids_BL=None,
+    deterministic: bool = True,
+    rngs: nnx.Rngs | None = None,
+  ):
+    """Final hidden states [B, L, D] (after the final norm), compute dtype; args as Encoder."""
+    cfg = self.cfg
+    _check_inputs(tokens_BL, positions_BL, segment_ids_BL, token_type_ids_BL, cfg)
+    key = _dropout_key(cfg, deterministic, rngs)
+    x_BLD = self.posenc.embed(self.embed(tokens_BL), positions_BL).astype(DTYPES[cfg.dtype])
+    x_BLD = _dropout(x_BLD, cfg.dropout_rate, _fold(key, 0))
+    x_BLD = _run_layers(self.layers, x_BLD, positions_BL, self.posenc, segment_ids_BL, key)
+    return _seqwise(lambda _, x: self.final_norm(x), x_BLD, block=cfg.attention_block)
+
+  def logits(self, h_BLD):
+    """LM head: hidden [B, L, D] -> float32 logits [B, L, V]."""
+    if self.lm_head is None:
+      return self.embed.attend(h_BLD).astype(jnp.float32)
+    return self.lm_head(h_BLD).astype(jnp.float32)
+
+
+MODELS = {"encoder": Encoder, "decoder": Decoder}
+
+
+def _run_layers(layers, x_BLD, positions_BL, posenc, segment_ids_BL, key):
+  for i, layer in enumerate(layers):
+    x_BLD = layer(
+      x_BLD, positions_BL, posenc, segment_ids_BL=segment_ids_BL, dropout_key=_fold(key, i + 1)
+    )
+  return x_BLD
+
+
+# ---- Blocks ----
+
+
+class Block(nnx.Module):
+  """Attention + MLP sublayers with residuals; post-LN (BERT/RoFormer) or pre-LN.
+
+  Position-wise parts (norms, projections, MLP) run over sequence blocks of
+  `cfg.attention_block` when L is longer, so activation memory stays O(L * D), not O(L * F).
+  """
+
+  def __init__(self, cfg: ModelConfig, *, causal: bool, pre_norm: bool, rngs: nnx.Rngs):
+    self.pre_norm = pre_norm
+    self.dropout_rate = cfg.dropout_rate
+    self.seq_block = cfg.attention_block
+    self.attn_norm = _norm(cfg, cfg.emb_dim, rngs)
+    self.attn = Attention(
+      cfg.emb_dim,
+      cfg.num_heads,
+      resolve_head_dim(cfg),
+      num_kv_heads=resolve_num_kv_heads(cfg),
+      causal=causal,
+      use_bias=cfg.use_bias,
+      dropout_rate=cfg.dropout_rate,
+      impl=cfg.attention_impl,
+      block=cfg.attention_block,
+      window=cfg.attention_window,
+      dtype=DTYPES[cfg.dtype],
+      param_dtype=DTYPES[cfg.param_dtype],
+      rngs=rngs,
+    )
+    self.mlp_norm = _norm(cfg, cfg.emb_dim, rngs)
+    self.mlp = Mlp(cfg, rngs=rngs)
+
+  def __call__(self, x_BLD, pos_BL, posenc, *, segment_ids_BL=None, dropout_key=None):
+    """x [B, L, D] at positions [B, L] -> [B, L, D]; `dropout_key` None = no dropout."""
+
+    def project_in(_, x_BLD):
+      return self.attn.qkv(self.attn_norm(x_BLD) if self.pre_norm else x_BLD)
+
+    q_BLHK, k_BLGK, v_BLGK = _seqwise(project_in, x_BLD, block=self.seq_block)
+    o_BLHK = self.attn.attend(
+      q_BLHK,
+      k_BLGK,
+      v_BLGK,
+      pos_BL,
+      posenc,
+      segment_ids_BL=segment_ids_BL,
+      dropout_key=_fold(dropout_key, 0),
+    )
+
+    def project_out_and_mlp(key, o_BLHK, x_BLD):
+      x_BLD = x_BLD + _dropout(self.attn.out(o_BLHK), self.dropout_rate, _fold(key, 1))
+      if not self.pre_norm:
+        x_BLD = self.attn_norm(x_BLD)
+      h_BLD = self.mlp_norm(x_BLD) if self.pre_norm else x_BLD
+      x_BLD = x_BLD + _dropout(self.mlp(h_BLD), self.dropout_rate, _fold(key, 2))
+      return x_BLD if self.pre_norm else self.mlp_norm(x_BLD)
+
+    return _seqwise(project_out_and_mlp, o_BLHK, x_BLD, block=self.seq_block, key=dropout_key)
+
+
+class Mlp(nnx.Module):
+  """Position-wise MLP: up D -> F, gelu (exact erf) or swiglu (silu(gate) * up), down F -> D."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    D, F = cfg.emb_dim, cfg.mlp_dim
+    self.activation = cfg.activation
+    self.up = _linear(cfg, D, F, ("embed", "mlp"), rngs)
+    self.gate = _linear(cfg, D, F, ("embed", "mlp"), rngs) if cfg.activation == "swiglu" else None
+    self.down = _linear(cfg, F, D, ("mlp", "embed"), rngs)
+
+  def __call__(self, x_BLD):
+    h_BLF = self.up(x_BLD)
+    if self.gate is None:
+      h_BLF = jax.nn.gelu(h_BLF, approximate=False)
+    else:
+      h_BLF = jax.nn.silu(self.gate(x_BLD)) * h_BLF
+    return self.down(h_BLF)
+
+
+# ---- Helpers ----
+
+
+def _posenc(cfg, emb_dim, *, causal, rngs):
+  # Constants an encoding derives from its config (e.g. ALiBi slopes as Python floats) must stay
+  # concrete when the model is built under jit or nnx.eval_shape (sharded init, restore).
+  with jax.ensure_compile_time_eval():
+    return make_posenc(
+      cfg.posenc,
+      num_heads=cfg.num_heads,
+      head_dim=resolve_head_dim(cfg),
+      emb_dim=emb_dim,
+      causal=causal,
+      param_dtype=DTYPES[cfg.param_dtype],
+      rngs=rngs,
+    )
+
+
+def _embed(cfg, num, dim, rngs):
+  return nnx.Embed(
+    num,
+    dim,
+    dtype=DTYPES[cfg.dtype],
+    param_dtype=DTYPES[cfg.param_dtype],
+    embedding_init=nnx.with_partitioning(nnx.initializers.normal(0.02), ("vocab", "embed")),
+    rngs=rngs,
+  )
+
+
+def _linear(cfg, din, dout, names, rngs, use_bias=None):
+  return nnx.Linear(
+    din,
+    dout,
+    use_bias=cfg.use_bias if use_bias is None else use_bias,
+    dtype=DTYPES[cfg.dtype],
+    param_dtype=DTYPES[cfg.param_dtype],
+    kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), names),
+    bias_init=nnx.with_partitioning(nnx.initializers.zeros, names[1:]),
+    rngs=rngs,
+  )
+
+
+def _norm(cfg, dim, rngs):
+  kwargs = dict(
+    epsilon=cfg.norm_eps,
+    dtype=DTYPES[cfg.dtype],
+    param_dtype=DTYPES[cfg.param_dtype],
+    use_fast_variance=False,
+    scale_init=nnx.with_partitioning(nnx.initializers.ones, ("embed",)),
+    rngs=rngs,
+  )
+  if cfg.norm == "rmsnorm":
+    return nnx.RMSNorm(dim, **kwargs)
+  return nnx.LayerNorm(
+    dim, bias_init=nnx.with_partitioning(nnx.initializers.zeros, ("embed",)), **kwargs
+  )
+
+
+def _check_inputs(tokens_BL, positions_BL, segment_ids_BL, token_type_ids_BL, cfg):
+  if tokens_BL.ndim != 2 or positions_BL.shape != tokens_BL.shape:
+    raise ValueError(
+      f"tokens and positions must both be [B, L]; got {tokens_BL.shape} and {positions_BL.shape}"
+    )
+  if segment_ids_BL is not None and segment_ids_BL.shape != tokens_BL.shape:
+    raise ValueError(f"segment_ids {segment_ids_BL.shape} do not match tokens {tokens_BL.shape}")
+  if token_type_ids_BL is not None and not cfg.type_vocab_size:
+    raise ValueError("token_type_ids were given but model.type_vocab_size=0")
+
+
+def _dropout_key(cfg, deterministic, rngs):
+  """One key for the whole forward pass (None: no dropout); sites fold in their own index."""
+  if deterministic or cfg.dropout_rate == 0.0:
+    return None
+  if rngs is None:
+    raise ValueError(
+      f"deterministic=False with model.dropout_rate={cfg.dropout_rate} needs "
+      "rngs=nnx.Rngs(dropout=key)"
+    )
+  return rngs.dropout() if isinstance(rngs, nnx.Rngs) else rngs
+
+
+def _fold(key, i):
+  return None if key is None else jax.random.fold_in(key, i)
+
+
+def _seqwise(fn, *xs_BL, block, key=None):
+  """Applies a position-wise `fn(key, *xs)` to [B, L, ...] arrays, over blocks of L if L > block.
+
+  Blocks run one after another (lax.map), so intermediates of `fn` (e.g. the MLP's [B, L, F])
+  exist for one block at a time. Each block gets its own dropout key.
+  """
+  L = xs_BL[0].shape[1]
+  if L <= block:
+    return fn(key, *xs_BL)
+
+  def body(args):
+    i, *xs = args
+    return fn(_fold(key, i), *xs)
+
+  blocks = [split_blocks(x, block) for x in xs_BL]
+  out = jax.lax.map(body, (jnp.arange(blocks[0].shape[0]), *blocks))
+  return jax.tree.map(lambda y: merge_blocks(y, L), out)

@@ -1,0 +1,397 @@
+"""Attention layer (MHA/GQA/MQA over explicit positions) and its interchangeable kernels.
+
+Dimension legend: B batch, L query length, S key length, H query heads, G key/value heads,
+R = H // G query heads per key/value head, K head dim, D model dim.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+if TYPE_CHECKING:
+  from roformer.posenc import PosEnc
+
+# (qpos_BL, kpos_BS) -> float32 [B, H, L, S] or None: the positional bias of one block of positions.
+BiasFn = Callable[[jax.Array, jax.Array], jax.Array | None]
+
+# Masked logits get a large finite value, not -inf, so that a block whose keys are all masked gives
+# exp(NEG - NEG) = 1 instead of NaN; masked probabilities are then zeroed explicitly.
+_NEG = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+# ---- Shared pieces of every kernel ----
+
+
+def _check_ranks(q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS):
+  if q_BLHK.ndim != 4 or k_BSGK.ndim != 4 or v_BSGK.shape != k_BSGK.shape:
+    raise ValueError(
+      f"attention expects q [B, L, H, K] and k, v [B, S, G, K]; got {q_BLHK.shape}, "
+      f"{k_BSGK.shape}, {v_BSGK.shape}"
+    )
+  if q_BLHK.shape[2] % k_BSGK.shape[2]:
+    raise ValueError(f"{q_BLHK.shape[2]} query heads are not a multiple of {k_BSGK.shape[2]}")
+  if qpos_BL.shape != q_BLHK.shape[:2] or kpos_BS.shape != k_BSGK.shape[:2]:
+    raise ValueError(f"positions {qpos_BL.shape}, {kpos_BS.shape} do not match q and k")
+
+
+def attention_mask(qpos_BL, kpos_BS, qseg_BL=None, kseg_BS=None, *, causal, window=0):
+  """Which keys each query may attend to.
+
+  Args:
+    qpos_BL, kpos_BS: int positions of queries and keys.
+    qseg_BL, kseg_BS: int segment ids (None: one segment); keys must share the query's id.
+    causal: keys must not come after the query (kpos <= qpos).
+    window: if > 0, keys must lie within `window` positions of the query (|qpos - kpos| <
+      window, which for causal attention is qpos - kpos < window).
+
+  Returns:
+    bool [B, L, S].
+  """
+  qpos_BL1 = qpos_BL[:, :, None]
+  kpos_B1S = kpos_BS[:, None, :]
+  mask_BLS = jnp.ones(qpos_BL.shape + kpos_BS.shape[1:], dtype=bool)
+  if qseg_BL is not None:
+    mask_BLS &= qseg_BL[:, :, None] == kseg_BS[:, None, :]
+  if causal:
+    mask_BLS &= kpos_B1S <= qpos_BL1
+  if window > 0:
+    mask_BLS &= jnp.abs(qpos_BL1 - kpos_B1S) < window
+  return mask_BLS
+
+
+def _scores(q_BLGRK, k_BSGK, bias_BHLS):
+  """Scaled logits in float32 [B, G, R, L, S] (bf16 inputs, fp32 accumulation)."""
+  B, L, G, R, K = q_BLGRK.shape
+  s_BGRLS = jnp.einsum("blgrk,bsgk->bgrls", q_BLGRK, k_BSGK, preferred_element_type=jnp.float32)
+  s_BGRLS = s_BGRLS * (1.0 / math.sqrt(K))
+  if bias_BHLS is not None:
+    s_BGRLS = s_BGRLS + bias_BHLS.astype(jnp.float32).reshape(bias_BHLS.shape[0], G, R, L, -1)
+  return s_BGRLS
+
+
+def dropout(x, rate, key):
+  """Inverted dropout; identity when `key` is None or `rate` is 0."""
+  if key is None or rate == 0.0:
+    return x
+  keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+  return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x))
+
+
+def _split_heads(q_BLHK, num_kv_heads):
+  # Query head h = g * R + r uses key/value head g (the usual GQA grouping).
+  B, L, H, K = q_BLHK.shape
+  return q_BLHK.reshape(B, L, num_kv_heads, H // num_kv_heads, K)
+
+
+# ---- Kernels ----
+
+
+def dense_attention(
+  q_BLHK,
+  k_BSGK,
+  v_BSGK,
+  qpos_BL,
+  kpos_BS,
+  *,
+  qseg_BL=None,
+  kseg_BS=None,
+  causal: bool = False,
+  window: int = 0,
+  bias_fn: BiasFn | None = None,
+  dropout_rate: float = 0.0,
+  dropout_key: jax.Array | None = None,
+  block: int = 512,
+):
+  """Reference kernel: materialises the [L, S] scores, fp32 softmax.
+
+  Args:
+    q_BLHK: queries (already rotated), any float dtype.
+    k_BSGK, v_BSGK: keys (already rotated) and values; H must be a multiple of G.
+    qpos_BL, kpos_BS: int positions of queries and keys (for masks and `bias_fn`).
+    qseg_BL, kseg_BS: int segment ids, or None for a single segment.
+    causal, window: see `attention_mask`.
+    bias_fn: positional bias of a block of positions, e.g. `posenc.bias`.
+    dropout_rate, dropout_key: attention-probability dropout (no dropout when the key is None).
+    block: unused (kept so every kernel has the same signature).
+
+  Returns:
+    [B, L, H, K] in the dtype of q. A query with no allowed key gets zeros.
+  """
+  del block
+  _check_ranks(q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS)
+  B, L, H, K = q_BLHK.shape
+  G = k_BSGK.shape[2]
+  bias_BHLS = None if bias_fn is None else bias_fn(qpos_BL, kpos_BS)
+  s_BGRLS = _scores(_split_heads(q_BLHK, G), k_BSGK, bias_BHLS)
+  mask_B11LS = attention_mask(qpos_BL, kpos_BS, qseg_BL, kseg_BS, causal=causal, window=window)[
+    :, None, None
+  ]
+  # fp32 softmax for stability, written out so that fully masked rows give 0 (as in `chunked`).
+  s_BGRLS = jnp.where(mask_B11LS, s_BGRLS, _NEG)
+  p_BGRLS = jnp.exp(s_BGRLS - s_BGRLS.max(axis=-1, keepdims=True))
+  p_BGRLS = jnp.where(mask_B11LS, p_BGRLS, 0.0)
+  denom_BGRL1 = p_BGRLS.sum(axis=-1, keepdims=True)
+  p_BGRLS = p_BGRLS / jnp.where(denom_BGRL1 == 0.0, 1.0, denom_BGRL1)
+  p_BGRLS = dropout(p_BGRLS, dropout_rate, dropout_key)
+  o_BLGRK = jnp.einsum(
+    "bgrls,bsgk->blgrk", p_BGRLS.astype(v_BSGK.dtype), v_BSGK, preferred_element_type=jnp.float32
+  )
+  return o_BLGRK.reshape(B, L, H, K).astype(q_BLHK.dtype)
+
+
+def split_blocks(x_BT, block, value=0):
+  """[B, T, ...] -> [N, B, block, ...] with N = ceil(T / block), padding T with `value`.
+
+  The leading axis is the one mapped or scanned over.
+  """
+  B, T = x_BT.shape[:2]
+  n = -(-T // block)
+  widths = [(0, 0)] * x_BT.ndim
+  widths[1] = (0, n * block - T)
+  x_BT = jnp.pad(x_BT, widths, constant_values=value)
+  return jnp.moveaxis(x_BT.reshape(B, n, block, *x_BT.shape[2:]), 1, 0)
+
+
+def merge_blocks(x_NBb, length):
+  """[N, B, block, ...] -> [B, length, ...]: inverse of `split_blocks` (drops the padding)."""
+  N, B, block = x_NBb.shape[:3]
+  x_BNb = jnp.moveaxis(x_NBb, 0, 1)
+  return x_BNb.reshape(B, N * block, *x_NBb.shape[3:])[:, :length]
+
+
+def chunked_attention(
+  q_BLHK,
+  k_BSGK,
+  v_BSGK,
+  qpos_BL,
+  kpos_BS,
+  *,
+  qseg_BL=None,
+  kseg_BS=None,
+  causal: bool = False,
+  window: int = 0,
+  bias_fn: BiasFn | None = None,
+  dropout_rate: float = 0.0,
+  dropout_key: jax.Array | None = None,
+  block: int = 512,
+):
+  """Blockwise online-softmax kernel: memory O(L * block), any L and S.
+
+  Query blocks are mapped over and key blocks scanned with a running max, denominator and
+  accumulator (fp32). The positional bias and the mask are computed per block from positions, so
+  no [L, S] array ever exists; key blocks with no allowed key (e.g. after the query block under a
+  causal mask) are skipped. Both loop bodies are rematerialised, so gradients store only the
+  inputs of each query block rather than every block's scores. Attention dropout drops the
+  unnormalised block probabilities with a key folded from (query block, key block); the
+  denominator is not dropped, which equals dropping the normalised probabilities.
+
+  Args and returns: as `dense_attention`; `block` is the query and key block size.
+  """
+  _check_ranks(q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS)
+  B, L, H, K = q_BLHK.shape
+  S, G = k_BSGK.shape[1:3]
+  R = H // G
+  bq, bk = min(block, L), min(block, S)
+  nq, nk = -(-L // bq), -(-S // bk)
+  if qseg_BL is None:
+    qseg_BL = jnp.zeros((B, L), jnp.int32)
+    kseg_BS = jnp.zeros((B, S), jnp.int32)
+  # Padded keys are excluded by `kvalid`; padded queries are computed and dropped.
+  kvalid_BS = jnp.ones((B, S), bool)
+  q_nBqGRK = split_blocks(_split_heads(q_BLHK, G), bq)
+  qpos_nBq = split_blocks(qpos_BL, bq)
+  qseg_nBq = split_blocks(qseg_BL, bq)
+  k_xs = (jnp.arange(nk),) + tuple(
+    split_blocks(x, bk) for x in (k_BSGK, v_BSGK, kpos_BS, kseg_BS, kvalid_BS)
+  )
+
+  def query_block(q_args):
+    qi, q_BqGRK, qpos_Bq, qseg_Bq = q_args
+
+    def key_block(carry, k_args):
+      ki, k_BkGK, v_BkGK, kpos_Bk, kseg_Bk, kvalid_Bk = k_args
+      mask_BqBk = attention_mask(qpos_Bq, kpos_Bk, qseg_Bq, kseg_Bk, causal=causal, window=window)
+      mask_B11qk = (mask_BqBk & kvalid_Bk[:, None, :])[:, None, None]
+
+      def update(carry):
+        m_BGRq, l_BGRq, acc_BGRqK = carry
+        bias = None if bias_fn is None else bias_fn(qpos_Bq, kpos_Bk)
+        s_BGRqk = jnp.where(mask_B11qk, _scores(q_BqGRK, k_BkGK, bias), _NEG)
+        m_new_BGRq = jnp.maximum(m_BGRq, s_BGRqk.max(axis=-1))
+        p_BGRqk = jnp.where(mask_B11qk, jnp.exp(s_BGRqk - m_new_BGRq[..., None]), 0.0)
+        correction_BGRq = jnp.exp(m_BGRq - m_new_BGRq)
+        l_new_BGRq = l_BGRq * correction_BGRq + p_BGRqk.sum(axis=-1)
+        if dropout_key is not None:
+          key = jax.random.fold_in(jax.random.fold_in(dropout_key, qi), ki)
+          p_BGRqk = dropout(p_BGRqk, dropout_rate, key)
+        pv_BGRqK = jnp.einsum(
+          "bgrqk,bkgd->bgrqd",
+          p_BGRqk.astype(v_BkGK.dtype),
+          v_BkGK,
+          preferred_element_type=jnp.float32,
+        )
+        return m_new_BGRq, l_new_BGRq, acc_BGRqK * correction_BGRq[..., None] + pv_BGRqK
+
+      return jax.lax.cond(mask_B11qk.any(), update, lambda c: c, carry), None
+
+    init = (
+      jnp.full((B, G, R, bq), _NEG, jnp.float32),
+      jnp.zeros((B, G, R, bq), jnp.float32),
+      jnp.zeros((B, G, R, bq, K), jnp.float32),
+    )
+    (_, l_BGRq, acc_BGRqK), _ = jax.lax.scan(jax.checkpoint(key_block), init, k_xs)
+    o_BGRqK = acc_BGRqK / jnp.where(l_BGRq == 0.0, 1.0, l_BGRq)[..., None]
+    return o_BGRqK.astype(q_BLHK.dtype)
+
+  o_nBGRqK = jax.lax.map(
+    jax.checkpoint(query_block), (jnp.arange(nq), q_nBqGRK, qpos_nBq, qseg_nBq)
+  )
+  o_nBqGRK = jnp.transpose(o_nBGRqK, (0, 1, 4, 2, 3, 5))
+  return merge_blocks(o_nBqGRK, L).reshape(B, L, H, K)
+
+
+def auto_attention(q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS, *, block: int = 512, **kwargs):
+  """`dense` when L * S <= block**2 (small enough to materialise), else `chunked`."""
+  if q_BLHK.shape[1] * k_BSGK.shape[1] <= block * block:
+    return dense_attention(q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS, block=block, **kwargs)
+  return chunked_attention(q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS, block=block, **kwargs)
+
+
+KERNELS = {"dense": dense_attention, "chunked": chunked_attention, "auto": auto_attention}
+
+
+# ---- The layer ----
+
+
+def _kernel_init(in_axis, out_axis, names):
+  # fan-in scaling over the contracted axes (the default would take the wrong fan for 3-D kernels).
+  init = nnx.initializers.variance_scaling(
+    1.0, "fan_in", "truncated_normal", in_axis=in_axis, out_axis=out_axis
+  )
+  return nnx.with_partitioning(init, names)
+
+
+class Attention(nnx.Module):
+  """Self-attention with q/k/v/out projections; positions enter only through `posenc`.
+
+  Parameters (logical axes): query.kernel [D, H, K] ('embed', 'heads', 'kv'), key.kernel and
+  value.kernel [D, G, K], out.kernel [H, K, D] ('heads', 'kv', 'embed'); with `use_bias`,
+  query.bias [H, K] and key/value.bias [G, K] ('heads', 'kv') and out.bias [D] ('embed',).
+  """
+
+  def __init__(
+    self,
+    emb_dim: int,
+    num_heads: int,
+    head_dim: int,
+    *,
+    num_kv_heads: int = 0,
+    causal: bool,
+    use_bias: bool = True,
+    dropout_rate: float = 0.0,
+    impl: str = "auto",
+    block: int = 512,
+    window: int = 0,
+    dtype=jnp.float32,
+    param_dtype=jnp.float32,
+    rngs: nnx.Rngs,
+  ):
+    num_kv_heads = num_kv_heads or num_heads
+    if impl not in KERNELS:
+      raise ValueError(f"model.attention_impl={impl!r} is not one of {sorted(KERNELS)}")
+    if num_heads % num_kv_heads:
+      raise ValueError(
+        f"model.num_heads={num_heads} is not divisible by model.num_kv_heads={num_kv_heads}"
+      )
+    D, H, G, K = emb_dim, num_heads, num_kv_heads, head_dim
+    self.num_kv_heads = G
+    self.causal = causal
+    self.dropout_rate = dropout_rate
+    self.impl = impl
+    self.block = block
+    self.window = window
+    common = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    hk_bias = nnx.with_partitioning(nnx.initializers.zeros, ("heads", "kv"))
+    qkv_init = _kernel_init(0, (1, 2), ("embed", "heads", "kv"))
+    self.query = nnx.Einsum(
+      "BLD,DHK->BLHK", (D, H, K), (H, K) if use_bias else None,
+      kernel_init=qkv_init, bias_init=hk_bias, **common,
+    )  # fmt: skip
+    self.key = nnx.Einsum(
+      "BSD,DGK->BSGK", (D, G, K), (G, K) if use_bias else None,
+      kernel_init=qkv_init, bias_init=hk_bias, **common,
+    )  # fmt: skip
+    self.value = nnx.Einsum(
+      "BSD,DGK->BSGK", (D, G, K), (G, K) if use_bias else None,
+      kernel_init=qkv_init, bias_init=hk_bias, **common,
+    )  # fmt: skip
+    self.out = nnx.Einsum(
+      "BLHK,HKD->BLD", (H, K, D), (D,) if use_bias else None,
+      kernel_init=_kernel_init((0, 1), 2, ("heads", "kv", "embed")),
+      bias_init=nnx.with_partitioning(nnx.initializers.zeros, ("embed",)), **common,
+    )  # fmt: skip
+
+  def qkv(self, x_BLD):
+    """Projections (position-wise): x [B, L, D] -> q [B, L, H, K], k and v [B, L, G, K]."""
+    return self.query(x_BLD), self.key(x_BLD), self.value(x_BLD)
+
+  def attend(
+    self,
+    q_BLHK,
+    k_BLGK,
+    v_BLGK,
+    pos_BL,
+    posenc: PosEnc,
+    *,
+    segment_ids_BL=None,
+    dropout_key: jax.Array | None = None,
+  ):
+    """Rotates q and k with `posenc`, then runs the kernel with `posenc.bias`.
+
+    Args:
+      q_BLHK, k_BLGK, v_BLGK: projections from `qkv`.
+      pos_BL: int positions.
+      posenc: the model's positional encoding (its `rotate` and `bias` hooks are used).
+      segment_ids_BL: int segment ids; None means one segment.
+      dropout_key: key for attention-probability dropout; None disables it.
+
+    Returns:
+      [B, L, H, K] in the dtype of q.
+    """
+    q_BLHK, k_BLGK = posenc.rotate(q_BLHK, k_BLGK, pos_BL, pos_BL)
+    return KERNELS[self.impl](
+      q_BLHK,
+      k_BLGK,
+      v_BLGK,
+      pos_BL,
+      pos_BL,
+      qseg_BL=segment_ids_BL,
+      kseg_BS=segment_ids_BL,
+      causal=self.causal,
+      window=self.window,
+      bias_fn=posenc.bias,
+      dropout_rate=self.dropout_rate,
+      dropout_key=dropout_key,
+      block=self.block,
+    )
+
+  def __call__(
+    self,
+    x_BLD,
+    pos_BL,
+    posenc: PosEnc,
+    *,
+    segment_ids_BL=None,
+    dropout_key: jax.Array | None = None,
+  ):
+    """Self-attention over x [B, L, D] at positions pos [B, L] -> [B, L, D]."""
+    o_BLHK = self.attend(
+      *self.qkv(x_BLD), pos_BL, posenc, segment_ids_BL=segment_ids_BL, dropout_key=dropout_key
+    )
+    return self.out(o_BLHK)

@@ -1,0 +1,331 @@
+"""Perplexity against context length: evaluation windows and their blockwise scoring.
+
+Every length scores the same span of tokens (DESIGN.md "Evaluation"); the loss of a window is
+computed over sequence blocks, so a long window never holds its [L, V] logits at once.
+"""
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from roformer import data as data_lib
+
+MODEL_KINDS = ("decoder", "encoder")
+PROTOCOLS = ("nonoverlapping", "sliding")
+
+
+# ---- Windows ----
+
+
+@dataclasses.dataclass(frozen=True)
+class Windows:
+  """Model inputs for one length and protocol; every array is [N, L].
+
+  Attributes:
+    inputs: int32 tokens the model reads (BERT-masked for encoders).
+    targets: int32 tokens scored at each position (next tokens for decoders).
+    positions: int32 positions within the window.
+    weights: float32, 1 where a target is scored, else 0.
+    num_tokens: number of scored targets.
+  """
+
+  inputs: np.ndarray
+  targets: np.ndarray
+  positions: np.ndarray
+  weights: np.ndarray
+  num_tokens: int
+
+
+def make_windows(
+  tokens,
+  *,
+  model_kind: str,
+  length: int,
+  protocol: str,
+  stride: int,
+  max_tokens: int,
+  max_length: int,
+  tokenizer=None,
+  mlm_probability: float = 0.15,
+  seed: int = 0,
+) -> Windows:
+  """Cuts the evaluation span of `tokens` into windows of `length`.
+
+  Decoders use `data.eval_windows` as is. Encoders see the same windows with targets = the window's
+  own tokens; the BERT mask is drawn once over the whole region the windows can touch (seeded), so
+  every length and protocol scores the same masked tokens.
+
+  Args:
+    tokens: int [T] token stream (documents joined with EOS).
+    model_kind: "decoder" or "encoder".
+    length, protocol, stride, max_tokens, max_length: as `data.eval_windows`.
+    tokenizer: the run's Tokenizer (encoders: mask and special token ids).
+    mlm_probability: fraction of tokens masked (encoders).
+    seed: seed of the mask (encoders).
+
+  Returns:
+    Windows with arrays [N, length].
+  """
+  if model_kind not in MODEL_KINDS:
+    raise ValueError(f"model.kind must be one of {MODEL_KINDS}, got {model_kind!r}")
+  if protocol not in PROTOCOLS:
+    raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
+  tokens = np.asarray(tokens)
+  window_args = dict(
+    length=length, protocol=protocol, stride=stride, max_tokens=max_tokens, max_length=max_length
+  )
+  ew = data_lib.eval_windows(tokens, **window_args)
+  if model_kind == "decoder":
+    return Windows(
+      inputs=np.asarray(ew.inputs, np.int32),
+      targets=np.asarray(ew.targets, np.int32),
+      positions=np.asarray(ew.positions, np.int32),
+      weights=np.asarray(ew.weights, np.float32),
+      num_tokens=int(ew.num_tokens),
+    )
+  if tokenizer is None:
+    raise ValueError("evaluating an encoder (model.kind='encoder') needs the run's tokenizer")
+  # An encoder window is the token span a decoder window scores: its targets, read unshifted.
+  index_NL = np.asarray(ew.target_indices, np.int64)
+  # The mask is drawn over a region fixed by the span and max_length alone (the prefix any window
+  # may reach into, then the span), so every length and protocol sees the same masked tokens.
+  span_stop = int(index_NL.max()) + 1
+  region_start = max(0, span_stop - ew.num_tokens - max_length)
+  masked_1R, mask_weights_1R = data_lib.mlm_mask(
+    np.asarray(tokens[region_start:span_stop])[None, :],
+    rng=np.random.default_rng(seed),
+    tokenizer=tokenizer,
+    mlm_probability=mlm_probability,
+  )
+  in_region_NL = index_NL >= region_start
+  offset_NL = np.where(in_region_NL, index_NL - region_start, 0)
+  targets_NL = np.asarray(ew.targets, np.int32)
+  weights_NL = np.asarray(ew.weights, np.float32) * np.where(
+    in_region_NL, np.asarray(mask_weights_1R, np.float32)[0][offset_NL], 0.0
+  )
+  return Windows(
+    inputs=np.where(in_region_NL, np.asarray(masked_1R)[0][offset_NL], targets_NL).astype(np.int32),
+    targets=targets_NL,
+    positions=np.asarray(ew.positions, np.int32),
+    weights=weights_NL,
+    num_tokens=int(np.count_nonzero(weights_NL)),
+  )
+
+
+# ---- Blockwise scoring ----
+
+
+def loss_block_size(model, length: int) -> int:
+  """Sequence block of the blockwise loss: the model's attention block, at most `length`."""
+  return max(1, min(model.cfg.attention_block, length))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "block"))
+def score_batch(graphdef, state, inputs_BL, targets_BL, positions_BL, weights_BL, *, block):
+  """Weighted loss sums of one batch; the output layer and loss run over sequence blocks.
+
+  A fori_loop slices one block of the hidden states at a time (no reshaped or padded copy of
+  them), so only [B, block, V] logits ever exist.
+
+  Args:
+    graphdef, state: the model, as split by `nnx.split` (graphdef static).
+    inputs_BL, targets_BL, positions_BL: int32 [B, L].
+    weights_BL: float32 [B, L]; 0 = not scored.
+    block: sequence block of the output layer and loss (static).
+
+  Returns:
+    (loss_sum, correct_sum, weight_sum) float32 scalars and the loss sum by position, float32 [L].
+  """
+  model = nnx.merge(graphdef, state)
+  h_BLD = model.hidden(inputs_BL, positions_BL, deterministic=True)
+  length = h_BLD.shape[1]
+  targets_BL = targets_BL.astype(jnp.int32)
+  weights_BL = weights_BL.astype(jnp.float32)
+
+  def block_loss(i, carry):
+    loss_sum, correct_sum, position_loss_L = carry
+    # The last block is shifted back to end at L; positions before i * block were done already.
+    start = jnp.minimum(i * block, length - block)
+    h_BCD = jax.lax.dynamic_slice_in_dim(h_BLD, start, block, axis=1)
+    t_BC = jax.lax.dynamic_slice_in_dim(targets_BL, start, block, axis=1)
+    w_BC = jax.lax.dynamic_slice_in_dim(weights_BL, start, block, axis=1)
+    new_C = start + jnp.arange(block) >= i * block
+    scored_BC = (w_BC > 0) & new_C[None, :]
+    logits_BCV = model.logits(h_BCD).astype(jnp.float32)
+    logz_BC = jax.nn.logsumexp(logits_BCV, axis=-1)
+    target_logit_BC = jnp.take_along_axis(logits_BCV, t_BC[:, :, None], axis=-1)[:, :, 0]
+    nll_BC = jnp.where(scored_BC, (logz_BC - target_logit_BC) * w_BC, 0.0)
+    correct_BC = jnp.where(scored_BC, (jnp.argmax(logits_BCV, axis=-1) == t_BC) * w_BC, 0.0)
+    old_C = jax.lax.dynamic_slice_in_dim(position_loss_L, start, block)
+    position_loss_L = jax.lax.dynamic_update_slice_in_dim(
+      position_loss_L, old_C + nll_BC.sum(axis=0), start, axis=0
+    )
+    return loss_sum + nll_BC.sum(), correct_sum + correct_BC.sum(), position_loss_L
+
+  zero = jnp.zeros((), jnp.float32)
+  loss_sum, correct_sum, position_loss_L = jax.lax.fori_loop(
+    0, -(-length // block), block_loss, (zero, zero, jnp.zeros((length,), jnp.float32))
+  )
+  return loss_sum, correct_sum, weights_BL.sum(), position_loss_L
+
+
+@dataclasses.dataclass(frozen=True)
+class Scores:
+  """Sums over all windows, accumulated in float64.
+
+  Attributes:
+    loss_sum, correct_sum, weight_sum: weighted sums of NLL, correct predictions and weights.
+    position_loss_sum: float64 [L] weighted NLL summed by position in the window.
+    position_weight_sum: float64 [L] weights summed by position in the window.
+  """
+
+  loss_sum: float
+  correct_sum: float
+  weight_sum: float
+  position_loss_sum: np.ndarray
+  position_weight_sum: np.ndarray
+
+
+def score_windows(
+  model,
+  windows: Windows,
+  *,
+  batch_size: int,
+  progress: Callable[[int, int], None] | None = None,
+) -> Scores:
+  """Scores windows in batches of `batch_size` (the last batch padded with zero-weight rows).
+
+  Args:
+    model: an Encoder or Decoder (`hidden` and `logits`).
+    windows: Windows [N, L].
+    batch_size: windows per jitted call (at most the number of windows); every call has this
+      shape, so one compile per length.
+    progress: called as progress(windows_done, num_windows) after each batch.
+
+  Returns:
+    Scores summed over all windows.
+  """
+  if batch_size < 1:
+    raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+  num_windows, length = windows.inputs.shape
+  # Fewer windows than a batch: a smaller batch, not rows of padding.
+  batch_size = max(1, min(batch_size, num_windows))
+  graphdef, state = nnx.split(model)
+  block = loss_block_size(model, length)
+  totals = np.zeros(3, np.float64)
+  position_loss = np.zeros(length, np.float64)
+
+  def collect(pending):
+    out, done = pending
+    loss_sum, correct_sum, weight_sum, position_loss_L = jax.device_get(out)
+    totals[:] += np.array([loss_sum, correct_sum, weight_sum], np.float64)
+    position_loss[:] += np.asarray(position_loss_L, np.float64)
+    if progress is not None:
+      progress(done, num_windows)
+
+  pending = None
+  for start in range(0, num_windows, batch_size):
+    rows = np.arange(start, start + batch_size)
+    real = rows < num_windows
+    rows = np.where(real, rows, 0)
+    weights = windows.weights[rows] * real[:, None].astype(np.float32)
+    out = score_batch(
+      graphdef,
+      state,
+      windows.inputs[rows],
+      windows.targets[rows],
+      windows.positions[rows],
+      weights,
+      block=block,
+    )
+    # Dispatch this batch before pulling the previous one to host.
+    if pending is not None:
+      collect(pending)
+    pending = (out, min(start + batch_size, num_windows))
+  if pending is not None:
+    collect(pending)
+  return Scores(
+    loss_sum=float(totals[0]),
+    correct_sum=float(totals[1]),
+    weight_sum=float(totals[2]),
+    position_loss_sum=position_loss,
+    position_weight_sum=windows.weights.astype(np.float64).sum(axis=0),
+  )
+
+
+def summarize(scores: Scores, *, model_kind: str, num_tokens: int) -> dict:
+  """The metrics dict of `evaluate_at_length` from summed scores."""
+  if scores.weight_sum <= 0:
+    raise ValueError("no scored tokens: the evaluation span is empty (check max_tokens)")
+  loss = scores.loss_sum / scores.weight_sum
+  result = {
+    "loss": loss,
+    "ppl": math.exp(loss) if loss < 700 else math.inf,
+    "tokens": int(num_tokens),
+    "loss_sum": scores.loss_sum,
+    "weight_sum": scores.weight_sum,
+  }
+  if model_kind == "encoder":
+    result["accuracy"] = scores.correct_sum / scores.weight_sum
+  return result
+
+
+def evaluate_at_length(
+  model,
+  tokens,
+  *,
+  model_kind: str,
+  length: int,
+  protocol: str,
+  stride: int,
+  max_tokens: int,
+  max_length: int,
+  batch_size: int,
+  tokenizer=None,
+  mlm_probability: float = 0.15,
+  seed: int = 0,
+  progress: Callable[[int, int], None] | None = None,
+) -> dict:
+  """Loss and perplexity of `model` on the evaluation span with windows of `length`.
+
+  The training loop's periodic evaluation is this function with length = max_length = seq_len,
+  protocol "nonoverlapping", stride = seq_len and max_tokens = train.eval_max_tokens.
+
+  Args:
+    model: an Encoder or Decoder.
+    tokens: int [T] token stream of the split.
+    model_kind: "decoder" (next-token loss) or "encoder" (masked-token loss and accuracy).
+    length: window length L.
+    protocol: "nonoverlapping" or "sliding" (windows ending every `stride`, scoring their last
+      `stride` tokens).
+    stride: sliding stride (ignored by "nonoverlapping").
+    max_tokens: scored span, rounded by `data.eval_windows` to a multiple of `max_length`.
+    max_length: the largest length evaluated; the span starts after a prefix this long.
+    batch_size: windows per jitted call.
+    tokenizer, mlm_probability, seed: the encoder's deterministic BERT masking.
+    progress: called as progress(windows_done, num_windows).
+
+  Returns:
+    {"loss", "ppl", "tokens", "loss_sum", "weight_sum"} (+ "accuracy" for encoders); loss is the
+    weighted mean NLL in nats, tokens the number of scored targets.
+  """
+  windows = make_windows(
+    tokens,
+    model_kind=model_kind,
+    length=length,
+    protocol=protocol,
+    stride=stride,
+    max_tokens=max_tokens,
+    max_length=max_length,
+    tokenizer=tokenizer,
+    mlm_probability=mlm_probability,
+    seed=seed,
+  )
+  scores = score_windows(model, windows, batch_size=batch_size, progress=progress)
+  return summarize(scores, model_kind=model_kind, num_tokens=windows.num_tokens)

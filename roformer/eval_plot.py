@@ -1,0 +1,151 @@
+"""Plots of eval.py results: perplexity against context length, loss by position in the window."""
+
+import io
+import json
+import math
+from collections.abc import Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")  # headless: eval runs on servers and TPU VMs
+
+import matplotlib.pyplot as plt  # noqa: E402
+from etils import epath  # noqa: E402
+from matplotlib import ticker  # noqa: E402
+
+# NAME of DIR/eval/NAME.json and .png when no scaling is applied and no --out is given.
+DEFAULT_NAME = "ppl_vs_length"
+
+PROTOCOL_STYLES = {
+  "nonoverlapping": dict(linestyle="-", marker="o"),
+  "sliding": dict(linestyle=":", marker="s"),
+}
+
+
+def run_label(name: str, result: dict) -> str:
+  """Legend label of one run: its name, encoding and any RoPE scaling applied at evaluation."""
+  label = f"{name} ({result.get('posenc', '?')}"
+  scaling = result.get("rope_scaling")
+  if scaling:
+    label += f", {scaling['kind']} x{scaling['factor']:g}"
+  return label + ")"
+
+
+def plot_runs(runs: Sequence[tuple[str, dict, int]], path, *, title: str = "") -> epath.Path:
+  """Draws perplexity against length (left) and loss by position (right) for several runs.
+
+  Args:
+    runs: (label, eval JSON dict, training length or 0 if unknown) per run.
+    path: output PNG path (local or gs://).
+    title: figure title.
+
+  Returns:
+    The path written.
+  """
+  fig, (ax_len, ax_pos) = plt.subplots(1, 2, figsize=(12, 4.6), constrained_layout=True)
+  colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+  all_lengths, train_lengths = set(), set()
+  has_positions = False
+  for i, (label, result, train_length) in enumerate(runs):
+    color = colors[i % len(colors)]
+    protocols = dict.fromkeys(r["protocol"] for r in result["records"])
+    for protocol in protocols:
+      points = sorted(
+        (r["length"], r["ppl"])
+        for r in result["records"]
+        if r["protocol"] == protocol and "skipped" not in r and math.isfinite(r["ppl"])
+      )
+      if not points:
+        continue
+      xs, ys = zip(*points, strict=True)
+      all_lengths.update(xs)
+      line_label = label if len(protocols) == 1 else f"{label}, {protocol}"
+      skipped = [r["length"] for r in result["records"] if "skipped" in r]
+      if skipped:
+        line_label += f" (skipped L>={min(skipped)})"
+      style = PROTOCOL_STYLES.get(protocol, {})
+      ax_len.plot(xs, ys, color=color, label=line_label, markersize=4, **style)
+    if train_length:
+      train_lengths.add(train_length)
+    per_position = result.get("per_position")
+    if per_position and per_position.get("loss"):
+      losses = per_position["loss"]
+      bin_width = per_position["length"] / len(losses)
+      pts = [((j + 0.5) * bin_width, v) for j, v in enumerate(losses) if v is not None]
+      if pts:
+        xs, ys = zip(*pts, strict=True)
+        ax_pos.plot(xs, ys, color=color, linewidth=1, label=f"{label}, L={per_position['length']}")
+        has_positions = True
+
+  for j, train_length in enumerate(sorted(train_lengths)):
+    for ax in (ax_len, ax_pos):
+      label = "training length" if j == 0 else None
+      ax.axvline(train_length, color="gray", linestyle="--", linewidth=1, label=label)
+  ax_len.set_xscale("log", base=2)
+  if all_lengths:
+    ticks = sorted(all_lengths)
+    ax_len.set_xticks(ticks, [str(t) for t in ticks])
+    ax_len.xaxis.set_minor_locator(ticker.NullLocator())
+  ppls = [
+    y for line in ax_len.lines for y in line.get_ydata() if line.get_label() != "training length"
+  ]
+  if ppls and max(ppls) > 4 * min(ppls):
+    # Extrapolation failures blow up by orders of magnitude; a log axis keeps the rest readable.
+    ax_len.set_yscale("log")
+    ax_len.yaxis.set_minor_formatter(ticker.NullFormatter())
+  ax_len.yaxis.set_major_formatter(ticker.FuncFormatter(lambda y, _: f"{y:g}"))
+  ax_len.set_xlabel("context length (tokens, log2 scale)")
+  ax_len.set_ylabel("perplexity")
+  ax_len.set_title("perplexity vs evaluation length")
+  ax_len.grid(True, which="major", alpha=0.3)
+  if ax_len.lines:
+    ax_len.legend(fontsize=8)
+  ax_pos.set_xlabel("position in window")
+  ax_pos.set_ylabel("mean loss (nats)")
+  ax_pos.set_title("loss by position in the window (longest length)")
+  ax_pos.grid(True, alpha=0.3)
+  if has_positions:
+    ax_pos.legend(fontsize=8)
+  if title:
+    fig.suptitle(title)
+  buffer = io.BytesIO()
+  fig.savefig(buffer, format="png", dpi=120)
+  plt.close(fig)
+  path = epath.Path(path)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_bytes(buffer.getvalue())
+  return path
+
+
+def compare_runs(sources: Sequence[str], plot, *, name: str = DEFAULT_NAME) -> epath.Path:
+  """Draws several runs' eval JSON in one plot.
+
+  Args:
+    sources: workdirs (their DIR/eval/NAME.json is read) or paths of eval JSON files.
+    plot: output PNG path.
+    name: NAME of the JSON read from each workdir.
+
+  Returns:
+    The PNG path.
+  """
+  runs = []
+  for source in sources:
+    path = epath.Path(source)
+    workdir = path.parent.parent if path.suffix == ".json" else path
+    if path.suffix != ".json":
+      path = path / "eval" / f"{name}.json"
+    if not path.exists():
+      raise FileNotFoundError(
+        f"{path} does not exist: run `python eval.py --workdir={workdir}` first"
+      )
+    result = json.loads(path.read_text())
+    runs.append((run_label(workdir.name, result), result, training_length(workdir)))
+  return plot_runs(runs, plot)
+
+
+def training_length(workdir) -> int:
+  """data.seq_len from DIR/config.json, or 0 for a JSON copied away from its run."""
+  config = epath.Path(workdir) / "config.json"
+  if not config.exists():
+    return 0
+  return int(json.loads(config.read_text()).get("data", {}).get("seq_len", 0))

@@ -1,0 +1,284 @@
+"""eval.py's driver: a run's checkpoint at several lengths, its JSON and plot, and comparisons.
+
+Writes DIR/eval/NAME.json and NAME.png (DESIGN.md "Workdir"); the scoring itself is eval_lib's.
+"""
+
+import dataclasses
+import json
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+from etils import epath
+
+from roformer import checkpoint, config_lib, eval_lib, eval_plot
+from roformer import data as data_lib
+from roformer import model as model_lib
+from roformer.eval_lib import PROTOCOLS
+from roformer.eval_plot import DEFAULT_NAME
+from roformer.posenc_config import SCALING_KINDS, RopeScaling
+
+# Positions kept in the JSON's per-position curve; longer windows are averaged over equal bins.
+MAX_POSITION_POINTS = 256
+# Tokens per batch when --batch_size is 0 (windows per batch = this // length).
+AUTO_BATCH_TOKENS = 16384
+
+
+def default_lengths(seq_len: int) -> list[int]:
+  """The training length to 16x by powers of two."""
+  return [seq_len * 2**i for i in range(5)]
+
+
+def output_name(out: str = "", rope_scaling: str = "none", rope_factor: float = 1.0) -> str:
+  """NAME of DIR/eval/NAME.json: `out`, else ppl_vs_length (+ _<scaling>_<factor> if scaled)."""
+  if out:
+    return out
+  if rope_scaling != "none":
+    return f"{DEFAULT_NAME}_{rope_scaling}_{rope_factor:g}"
+  return DEFAULT_NAME
+
+
+def eval_model_config(model_cfg, *, seq_len: int, rope_scaling: str = "none", rope_factor=1.0):
+  """The run's ModelConfig as evaluated: any RoPE scaling applied, a blockwise attention kernel.
+
+  Args:
+    model_cfg: the run's ModelConfig.
+    seq_len: the training length (the scaling's original_max_len).
+    rope_scaling: a RopeScaling kind, or "none" to keep the run's encoding as trained.
+    rope_factor: the scaling factor.
+
+  Returns:
+    A ModelConfig with the same parameters as `model_cfg`.
+  """
+  posenc = model_cfg.posenc
+  if rope_scaling != "none":
+    if rope_scaling not in SCALING_KINDS:
+      raise ValueError(f"--rope_scaling must be one of {SCALING_KINDS}, got {rope_scaling!r}")
+    if posenc.kind != "rope":
+      raise ValueError(
+        f"--rope_scaling rescales RoPE frequencies, but this run has posenc.kind={posenc.kind!r} "
+        "(only posenc.kind='rope' runs can be scaled)"
+      )
+    scaling = RopeScaling(kind=rope_scaling, factor=float(rope_factor), original_max_len=seq_len)
+    posenc = dataclasses.replace(posenc, scaling=scaling)
+  # The dense kernel materialises [L, L] scores; "auto" is the same kernel for short windows.
+  impl = "auto" if model_cfg.attention_impl == "dense" else model_cfg.attention_impl
+  cfg = dataclasses.replace(model_cfg, posenc=posenc, attention_impl=impl)
+  model_lib.validate_model(cfg)
+  return cfg
+
+
+def unsupported_length(model_cfg, length: int) -> str | None:
+  """Why `model_cfg` cannot run windows of `length` (e.g. a learned table too short), or None."""
+  try:
+    model_lib.validate_model(model_cfg, seq_len=length)
+  except ValueError as e:
+    return str(e)
+  return None
+
+
+def restore_for_eval(workdir, run_config, model_cfg, *, step: int | None = None):
+  """Restores the checkpoint's weights into a model built from `model_cfg` (same parameters).
+
+  Returns:
+    (model, step).
+  """
+  run_config = dataclasses.replace(run_config, model=model_cfg)
+  return checkpoint.restore_model(workdir, step=step, run_config=run_config)
+
+
+def load_eval_tokens(run_config, workdir, *, split: str = "validation", data_files: str = ""):
+  """The token stream evaluated and the run's tokenizer.
+
+  Args:
+    run_config: the run's RunConfig (its DataConfig and tokenizer are reused).
+    workdir: the run's workdir (holds the trained tokenizer and the token cache).
+    split: "validation" or "test" of the run's corpus.
+    data_files: a glob of other text files, tokenized with the run's tokenizer (replaces `split`).
+
+  Returns:
+    (tokens int32 [T], tokenizer).
+  """
+  data_cfg = run_config.data
+  if data_files:
+    # Same tokenizer setting and workdir: a trained tokenizer is loaded from DIR/tokenizer.json.
+    data_cfg = dataclasses.replace(
+      data_cfg, source="files", files=data_files, validation_files=data_files
+    )
+    split = "validation"
+  corpus = data_lib.load_corpus(data_cfg, workdir=str(workdir), splits=(split,))
+  return np.asarray(corpus.tokens(split)), corpus.tokenizer
+
+
+def bin_positions(loss_sum_L, weight_sum_L, *, max_points: int = MAX_POSITION_POINTS) -> list:
+  """Mean loss by position, averaged over at most `max_points` equal bins (None where unscored)."""
+  length = len(loss_sum_L)
+  points = min(length, max_points)
+  starts = np.linspace(0, length, points + 1).round().astype(np.int64)[:-1]
+  loss = np.add.reduceat(np.asarray(loss_sum_L, np.float64), starts)
+  weight = np.add.reduceat(np.asarray(weight_sum_L, np.float64), starts)
+  return [float(l_ / w) if w > 0 else None for l_, w in zip(loss, weight, strict=True)]
+
+
+class _Progress:
+  """Prints windows done and tokens/s for one length, at most every `every` seconds.
+
+  The rate counts from the first batch's return, so it excludes compilation.
+  """
+
+  def __init__(self, log, prefix: str, length: int, every: float = 5.0):
+    self.log, self.prefix, self.length, self.every = log, prefix, length, every
+    self.first = None  # (time, windows done) when the first batch returned
+    self.last = time.perf_counter()
+
+  def __call__(self, done: int, total: int):
+    now = time.perf_counter()
+    if self.first is None:
+      self.first = (now, done)
+    if done < total and now - self.last < self.every:
+      return
+    self.last = now
+    start, start_done = self.first
+    rate = (
+      f", {(done - start_done) * self.length / (now - start):,.0f} tokens/s"
+      if done > start_done
+      else ""
+    )
+    self.log(f"{self.prefix}: {done}/{total} windows{rate}")
+
+
+def evaluate_workdir(
+  workdir,
+  *,
+  lengths: Sequence[int] = (),
+  protocol: str = "both",
+  stride: int = 0,
+  max_tokens: int = 65536,
+  split: str = "validation",
+  step: int | None = None,
+  batch_size: int = 0,
+  rope_scaling: str = "none",
+  rope_factor: float = 1.0,
+  data_files: str = "",
+  out: str = "",
+  log: Callable[[str], None] = print,
+) -> tuple[dict, epath.Path]:
+  """Evaluates a run's checkpoint at several lengths; writes DIR/eval/NAME.json and NAME.png.
+
+  Args:
+    workdir: the run's workdir.
+    lengths: window lengths; default the training length to 16x by powers of two.
+    protocol: "nonoverlapping", "sliding" or "both".
+    stride: sliding stride; 0 = length // 4.
+    max_tokens: scored tokens per length (rounded to a multiple of the largest length).
+    split: "validation" or "test".
+    step: checkpoint step; None = latest.
+    batch_size: windows per batch; 0 = about 16k tokens per batch.
+    rope_scaling, rope_factor: a RoPE scaling applied at evaluation ("none" = as trained).
+    data_files: a glob of other text, tokenized with the run's tokenizer.
+    out: NAME; default `output_name(...)`.
+    log: where progress lines go.
+
+  Returns:
+    (the JSON dict written, the JSON path).
+  """
+  protocols = PROTOCOLS if protocol == "both" else (protocol,)
+  if any(p not in PROTOCOLS for p in protocols):
+    raise ValueError(f"--protocol must be one of {PROTOCOLS + ('both',)}, got {protocol!r}")
+  workdir = epath.Path(workdir)
+  run_config = config_lib.load_run_config(workdir)
+  seq_len = run_config.data.seq_len
+  model_cfg = eval_model_config(
+    run_config.model, seq_len=seq_len, rope_scaling=rope_scaling, rope_factor=rope_factor
+  )
+  lengths = sorted(set(int(x) for x in lengths)) or default_lengths(seq_len)
+  if lengths[0] < 1:
+    raise ValueError(f"--lengths must be positive, got {lengths}")
+  if stride and stride > lengths[0] and "sliding" in protocols:
+    raise ValueError(f"--stride={stride} is longer than the shortest length {lengths[0]}")
+  model, step = restore_for_eval(workdir, run_config, model_cfg, step=step)
+  tokens, tokenizer = load_eval_tokens(run_config, workdir, split=split, data_files=data_files)
+  model_kind = model_cfg.kind
+  max_length = max(lengths)
+  log(
+    f"evaluating {workdir} step {step} ({model_kind}, posenc {model_cfg.posenc.kind}) on "
+    f"{len(tokens):,} tokens of {data_files or split}: lengths {lengths}, {', '.join(protocols)}"
+  )
+
+  records, position_scores = [], {}
+  for i, length in enumerate(lengths, start=1):
+    reason = unsupported_length(model_cfg, length)
+    for proto in protocols:
+      prefix = f"length {i}/{len(lengths)} L={length} {proto}"
+      if reason:
+        records.append({"length": length, "protocol": proto, "skipped": reason})
+        log(f"{prefix}: skipped ({reason})")
+        continue
+      start = time.perf_counter()
+      windows = eval_lib.make_windows(
+        tokens,
+        model_kind=model_kind,
+        length=length,
+        protocol=proto,
+        stride=stride or max(1, length // 4),
+        max_tokens=max_tokens,
+        max_length=max_length,
+        tokenizer=tokenizer,
+        mlm_probability=run_config.data.mlm_probability,
+        seed=run_config.train.seed,  # the training loop's evaluation mask
+      )
+      scores = eval_lib.score_windows(
+        model,
+        windows,
+        batch_size=batch_size or max(1, AUTO_BATCH_TOKENS // length),
+        progress=_Progress(log, prefix, length),
+      )
+      metrics = eval_lib.summarize(scores, model_kind=model_kind, num_tokens=windows.num_tokens)
+      record = {"length": length, "protocol": proto}
+      record.update({k: metrics[k] for k in ("loss", "ppl", "tokens", "accuracy") if k in metrics})
+      records.append(record)
+      position_scores[(length, proto)] = scores
+      log(
+        f"{prefix}: loss {metrics['loss']:.4f}, ppl {metrics['ppl']:.3f} over "
+        f"{metrics['tokens']:,} tokens in {time.perf_counter() - start:.1f}s"
+      )
+
+  per_position = None
+  if position_scores:
+    # The longest evaluated length; non-overlapping windows show the loss at every position.
+    key = max(position_scores, key=lambda k: (k[0], k[1] == "nonoverlapping"))
+    scores = position_scores[key]
+    per_position = {
+      "length": key[0],
+      "loss": bin_positions(scores.position_loss_sum, scores.position_weight_sum),
+    }
+  scaling = model_cfg.posenc.scaling
+  result = {
+    "step": int(step),
+    "posenc": model_cfg.posenc.kind,
+    "rope_scaling": (
+      None
+      if model_cfg.posenc.kind != "rope" or scaling.kind == "none"
+      else {"kind": scaling.kind, "factor": scaling.factor}
+    ),
+    "split": f"files:{data_files}" if data_files else split,
+    "records": records,
+    "per_position": per_position,
+  }
+  name = output_name(out, rope_scaling, rope_factor)
+  json_path = write_result(result, workdir / "eval" / f"{name}.json")
+  png_path = eval_plot.plot_runs(
+    [(eval_plot.run_label(workdir.name, result), result, seq_len)],
+    json_path.with_suffix(".png"),
+    title=f"{workdir.name} step {step}",
+  )
+  log(f"wrote {json_path} and {png_path}")
+  return result, json_path
+
+
+def write_result(result: dict, path) -> epath.Path:
+  """Writes an eval JSON (through epath, so gs:// works)."""
+  path = epath.Path(path)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(json.dumps(result, indent=2) + "\n")
+  return path

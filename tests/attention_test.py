@@ -1,0 +1,274 @@
+"""Tests for roformer/attention.py: kernels agree with each other and with a naive reference."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from roformer import attention
+from roformer.posenc import make_posenc
+from roformer.posenc_config import POSENC_KINDS, PosEncConfig, RopeScaling
+
+B, L, H, G, K = 2, 37, 4, 2, 8  # L is not a multiple of BLOCK
+BLOCK = 8
+
+
+def _normal(shape, seed, dtype=jnp.float32):
+  # numpy draws: no random-number program to compile in every test.
+  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)
+
+
+def _qkv(seed=0, length=L, num_kv_heads=G, head_dim=K):
+  q = _normal((B, length, H, head_dim), seed)
+  k = _normal((B, length, num_kv_heads, head_dim), seed + 1)
+  v = _normal((B, length, num_kv_heads, head_dim), seed + 2)
+  return q, k, v
+
+
+def _positions(length=L):
+  # Row 1 starts at 100: kernels must use the given positions, not indices.
+  return jnp.arange(length)[None, :] + jnp.array([[0], [100]])
+
+
+def _segments(length=L):
+  # Two documents per row, split at different places; positions need not restart for the mask.
+  return (jnp.arange(length)[None, :] >= jnp.array([[20], [9]])).astype(jnp.int32)
+
+
+def _posenc(kind, causal, scaling=None):
+  cfg = PosEncConfig(kind=kind, max_len=256, scaling=scaling or RopeScaling())
+  with nnx.use_eager_sharding(False):  # no mesh in these tests
+    return make_posenc(cfg, num_heads=H, head_dim=K, emb_dim=H * K, causal=causal, rngs=nnx.Rngs(3))
+
+
+POSENC_CASES = [(kind, None) for kind in POSENC_KINDS] + [
+  ("rope", RopeScaling(kind="yarn", factor=4.0, original_max_len=16))
+]
+
+
+def _max_kernel_diffs(kind, scaling, variants):
+  """Max |chunked - dense| for each (causal, segments, window) variant, in one compiled program."""
+  q, k, v = _qkv()
+  pos = _positions()
+  posencs = {causal: _posenc(kind, causal, scaling) for causal in {c for c, _, _ in variants}}
+
+  @jax.jit
+  def diffs(q, k, v, seg):
+    out = []
+    for causal, use_seg, window in variants:
+      posenc = posencs[causal]
+      q_rot, k_rot = posenc.rotate(q, k, pos, pos)
+      kwargs = dict(
+        qseg_BL=seg if use_seg else None, kseg_BS=seg if use_seg else None, causal=causal,
+        window=window, bias_fn=posenc.bias, block=BLOCK,
+      )  # fmt: skip
+      want = attention.dense_attention(q_rot, k_rot, v, pos, pos, **kwargs)
+      got = attention.chunked_attention(q_rot, k_rot, v, pos, pos, **kwargs)
+      out.append(jnp.abs(got - want).max())
+    return jnp.stack(out)
+
+  return dict(zip(variants, diffs(q, k, v, _segments()).tolist(), strict=True))
+
+
+@pytest.mark.parametrize(("kind", "scaling"), POSENC_CASES)
+def test_chunked_matches_dense_for_every_posenc(kind, scaling):
+  # Segments and a window at once, so masked, partly masked and skipped blocks all occur. The
+  # biases differ between causal and bidirectional attention; the other hooks do not.
+  variants = [(True, True, 6)] + ([(False, True, 6)] if kind in ("alibi", "t5") else [])
+  for variant, diff in _max_kernel_diffs(kind, scaling, variants).items():
+    assert diff < 1e-5, variant
+
+
+@pytest.mark.slow
+def test_chunked_matches_dense_for_every_mask_combination():
+  variants = [(c, s, w) for c in (True, False) for s in (False, True) for w in (0, 6)]
+  for variant, diff in _max_kernel_diffs("t5", None, variants).items():
+    assert diff < 1e-5, variant
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("kind", "scaling"), POSENC_CASES)
+def test_chunked_matches_dense_for_every_posenc_and_mask_combination(kind, scaling):
+  causals = (True,) if kind == "xpos" else (True, False)  # xpos is causal only
+  variants = [(c, s, w) for c in causals for s in (False, True) for w in (0, 6)]
+  for variant, diff in _max_kernel_diffs(kind, scaling, variants).items():
+    assert diff < 1e-5, variant
+
+
+def _naive_attention(q, k, v, qpos, kpos, seg, causal, window, bias):
+  q, k, v, qpos, kpos, seg, bias = map(np.asarray, (q, k, v, qpos, kpos, seg, bias))
+  out = np.zeros(q.shape, np.float64)
+  rep = q.shape[2] // k.shape[2]
+  for b in range(q.shape[0]):
+    for h in range(q.shape[2]):
+      for i in range(q.shape[1]):
+        allowed = [
+          j
+          for j in range(k.shape[1])
+          if seg[b, i] == seg[b, j]
+          and (not causal or kpos[b, j] <= qpos[b, i])
+          and (window == 0 or abs(qpos[b, i] - kpos[b, j]) < window)
+        ]
+        logits = np.array(
+          [q[b, i, h] @ k[b, j, h // rep] / np.sqrt(q.shape[3]) + bias[b, h, i, j] for j in allowed]
+        )
+        p = np.exp(logits - logits.max())
+        out[b, i, h] = (p / p.sum()) @ v[b, allowed, h // rep]
+  return out
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_dense_matches_naive_loop_with_segments_window_and_bias(causal):
+  length = 11
+  q, k, v = _qkv(length=length)
+  pos, seg = _positions(length), _segments(length)
+  bias = _normal((B, H, length, length), 7)
+  got = jax.jit(attention.dense_attention, static_argnames=("causal", "window", "bias_fn"))(
+    q, k, v, pos, pos, qseg_BL=seg, kseg_BS=seg, causal=causal, window=4, bias_fn=lambda *_: bias
+  )
+  want = _naive_attention(q, k, v, pos, pos, seg, causal, 4, bias)
+  np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def _layer(num_kv_heads, impl="dense", seed=0, dtype=jnp.float32):
+  """An Attention layer with random values (from numpy, biases included) in every parameter."""
+
+  def build():
+    return attention.Attention(
+      H * K, H, K, num_kv_heads=num_kv_heads, causal=True, impl=impl, block=BLOCK, dtype=dtype,
+      rngs=nnx.Rngs(0),
+    )  # fmt: skip
+
+  with nnx.use_eager_sharding(False):  # no mesh in these tests
+    graphdef, state = nnx.split(nnx.eval_shape(build))
+  rng = np.random.default_rng(seed)
+
+  def fill(x):
+    fan_in = H * K if x.ndim == 3 else 1  # kernels [D, H, K] and [H, K, D] both have H * K = D
+    return jnp.asarray(rng.standard_normal(x.shape) / np.sqrt(fan_in), x.dtype)
+
+  return nnx.merge(graphdef, jax.tree.map(fill, state))
+
+
+@jax.jit
+def _apply(layers, x, pos, posenc):
+  return [layer(x, pos, posenc) for layer in layers]
+
+
+def test_gqa_equals_mha_with_key_value_heads_repeated_per_group():
+  x = _normal((B, L, H * K), 10)
+  gqa, mha = _layer(G), _layer(H)
+  mha.query = gqa.query
+  mha.out = gqa.out
+  # Query head h reads key/value head h // (H // G).
+  for name in ("key", "value"):
+    getattr(mha, name).kernel[...] = jnp.repeat(getattr(gqa, name).kernel[...], H // G, axis=1)
+    getattr(mha, name).bias[...] = jnp.repeat(getattr(gqa, name).bias[...], H // G, axis=0)
+  got, want = _apply([gqa, mha], x, _positions(), _posenc("rope", causal=True))
+  np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_mha_layer_matches_naive_loop():
+  length = 9
+  x = _normal((B, length, H * K), 10)
+  pos = _positions(length)
+  posenc = _posenc("alibi", causal=True)
+  layer = _layer(H)
+  q, k, v = layer.qkv(x)
+  o = _naive_attention(q, k, v, pos, pos, jnp.zeros((B, length)), True, 0, posenc.bias(pos, pos))
+  want = np.einsum("blhk,hkd->bld", o, layer.out.kernel[...]) + layer.out.bias[...][None, None]
+  (got,) = _apply([layer], x, pos, posenc)
+  np.testing.assert_allclose(got, want, atol=1e-4)
+
+
+def test_mqa_chunked_matches_dense():
+  x = _normal((B, L, H * K), 10)
+  dense, chunked = _layer(1, "dense"), _layer(1, "chunked")
+  assert dense.key.kernel.shape == (H * K, 1, K)
+  want, got = _apply([dense, chunked], x, _positions(), _posenc("t5", causal=True))
+  np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["t5", pytest.param("rope", marks=pytest.mark.slow)])
+def test_chunked_gradients_match_dense(kind):
+  x = _normal((B, L, H * K), 10)
+  pos, seg = _positions(), _segments()
+
+  @jax.jit
+  def grads(layers, posenc, x):
+    def loss(layer, posenc, x):
+      y = layer(x, pos, posenc, segment_ids_BL=seg)
+      return jnp.sum(y * jnp.sin(jnp.arange(y.size).reshape(y.shape)))
+
+    return [jax.grad(loss, argnums=(0, 1, 2))(layer, posenc, x) for layer in layers]
+
+  dense, chunked = grads([_layer(G, "dense"), _layer(G, "chunked")], _posenc(kind, True), x)
+  flat_dense, flat_chunked = jax.tree.leaves(dense), jax.tree.leaves(chunked)
+  assert len(flat_dense) == len(flat_chunked) >= 9  # q/k/v/out kernels and biases (+ t5 table), x
+  for want, got in zip(flat_dense, flat_chunked, strict=True):
+    np.testing.assert_allclose(got, want, atol=1e-5 * max(1.0, float(jnp.abs(want).max())))
+
+
+def test_auto_picks_dense_for_short_and_chunked_for_long_inputs():
+  q, k, v = _qkv()
+  pos = _positions()
+
+  def auto(q, block):
+    return attention.auto_attention(q, k, v, pos, pos, causal=True, block=block)
+
+  assert "scan" not in str(jax.make_jaxpr(auto, static_argnums=1)(q, 64))
+  assert "scan" in str(jax.make_jaxpr(auto, static_argnums=1)(q, 8))
+
+
+@pytest.mark.parametrize("kernel", [attention.dense_attention, attention.chunked_attention])
+def test_attention_dropout_scales_kept_probabilities_and_keeps_denominator(kernel):
+  # With one-hot values (v[s] = e_s) the output row is the (dropped) probability vector itself.
+  length, rate = 24, 0.5
+  q, k, _ = _qkv(length=length, head_dim=length)
+  v = jnp.broadcast_to(jnp.eye(length)[None, :, None, :], (B, length, G, length))
+  pos = _positions(length)
+
+  @jax.jit
+  def run(key):
+    kwargs = dict(causal=True, block=BLOCK)
+    probs = attention.dense_attention(q, k, v, pos, pos, **kwargs)
+    return probs, kernel(q, k, v, pos, pos, dropout_rate=rate, dropout_key=key, **kwargs)
+
+  probs, dropped = run(jax.random.key(5))
+  kept, allowed = dropped != 0, probs != 0
+  np.testing.assert_allclose(
+    jnp.where(kept, dropped, 0), jnp.where(kept, probs / (1 - rate), 0), rtol=1e-5
+  )
+  assert not jnp.any(kept & ~allowed)
+  assert 0.4 < float(kept.sum() / allowed.sum()) < 0.6
+  # Independent masks for different key blocks and query blocks (all allowed under the mask).
+  assert jnp.any(kept[:, 16:24, :, 0:8] != kept[:, 16:24, :, 8:16])
+  assert jnp.any(kept[:, 8:16, :, 0:8] != kept[:, 16:24, :, 0:8])
+  np.testing.assert_array_equal(run(jax.random.key(5))[1], dropped)
+  assert jnp.any(run(jax.random.key(6))[1] != dropped)
+
+
+@pytest.mark.slow
+def test_bfloat16_compute_stays_close_to_float32():
+  x = _normal((B, L, H * K), 10)
+  f32 = _layer(G, "chunked")
+  bf16 = _layer(G, "chunked", dtype=jnp.bfloat16)
+  assert bf16.query.kernel[...].dtype == jnp.float32
+  want, got = _apply([f32, bf16], x, _positions(), _posenc("rope", causal=True))
+  assert got.dtype == jnp.bfloat16
+  np.testing.assert_allclose(got.astype(jnp.float32), want, atol=0.05 * float(jnp.abs(want).max()))
+
+
+@pytest.mark.slow
+def test_chunked_gradient_memory_is_far_below_one_score_matrix():
+  length, block = 2048, 128
+  q, k, v = _qkv(length=length)
+  pos = jnp.broadcast_to(jnp.arange(length), (B, length))
+
+  def loss(q, k, v):
+    return attention.chunked_attention(q, k, v, pos, pos, causal=True, block=block).sum()
+
+  compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).compile()
+  scores_bytes = B * H * length * length * 4
+  assert compiled.memory_analysis().temp_size_in_bytes < scores_bytes / 8

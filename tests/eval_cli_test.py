@@ -1,0 +1,254 @@
+"""Tests of eval.py and its driver (eval_run, eval_plot): workdirs, JSON schema, scaling, plots."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from configs import default
+from roformer import checkpoint, config_lib, eval_run
+from roformer.model import make_model
+
+REPO = Path(__file__).resolve().parent.parent
+SEQ_LEN = 32
+JSON_KEYS = {"step", "posenc", "rope_scaling", "split", "records", "per_position"}
+
+
+def _write_text(path: Path, seed: int, lines: int = 60):
+  rng = np.random.default_rng(seed)
+  words = ["def", "return", "self", "import", "for", "in", "if", "x", "value", "print", "(", ")"]
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text("\n".join(" ".join(rng.choice(words, 10)) for _ in range(lines)) + "\n")
+
+
+def _make_run(root: Path, name: str, *, model_kind: str = "decoder", **posenc) -> Path:
+  """A workdir with config.json and a step-7 checkpoint of a randomly initialised tiny model."""
+  _write_text(root / "text" / "train.txt", 0)
+  _write_text(root / "text" / "valid.txt", 1)
+  config = default.get_config()
+  config.model.kind = model_kind
+  config.model.num_layers = 1
+  config.model.emb_dim = 16
+  config.model.num_heads = 2
+  config.model.mlp_dim = 32
+  config.model.attention_block = 64
+  for field, value in posenc.items():
+    config.posenc[field] = value
+  config.data.source = "files"
+  config.data.files = str(root / "text" / "train.txt")
+  config.data.validation_files = str(root / "text" / "valid.txt")
+  config.data.cache_dir = str(root / "cache")
+  config.data.seq_len = SEQ_LEN
+  run_config = config_lib.run_config_from_dict(config, vocab_size=261)
+  workdir = root / name
+  config_lib.write_config_json(workdir, run_config)
+  model = make_model(run_config.model, rngs=nnx.Rngs(0))
+  manager = checkpoint.make_manager(workdir)
+  checkpoint.save(manager, 7, nnx.state(model), {"unused": np.zeros(1)}, {"step": 7})
+  manager.wait_until_finished()
+  manager.close()
+  return workdir
+
+
+@pytest.fixture(scope="module")
+def rope_run(tmp_path_factory):
+  return _make_run(tmp_path_factory.mktemp("runs"), "rope_run")
+
+
+def _evaluate(workdir, **kwargs):
+  args = dict(lengths=[32, 64], max_tokens=128, batch_size=2, log=lambda line: None)
+  args.update(kwargs)
+  return eval_run.evaluate_workdir(workdir, **args)
+
+
+def _run_cli(*args):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
+  return subprocess.run(
+    [sys.executable, str(REPO / "eval.py"), *args],
+    capture_output=True,
+    text=True,
+    env=env,
+    timeout=300,
+  )
+
+
+def test_evaluate_workdir_writes_design_schema_json_and_png(rope_run):
+  lines = []
+  result, path = _evaluate(rope_run, log=lines.append)
+  assert path == rope_run / "eval" / "ppl_vs_length.json"
+  written = json.loads(path.read_text())
+  assert written == json.loads(json.dumps(result))
+  assert set(written) == JSON_KEYS
+  assert written["step"] == 7
+  assert written["posenc"] == "rope"
+  assert written["rope_scaling"] is None
+  assert written["split"] == "validation"
+  records = written["records"]
+  assert [(r["length"], r["protocol"]) for r in records] == [
+    (32, "nonoverlapping"),
+    (32, "sliding"),
+    (64, "nonoverlapping"),
+    (64, "sliding"),
+  ]
+  for r in records:
+    assert set(r) == {"length", "protocol", "loss", "ppl", "tokens"}
+    assert r["ppl"] == pytest.approx(np.exp(r["loss"]))
+  assert {r["tokens"] for r in records} == {128}
+  assert written["per_position"]["length"] == 64
+  assert len(written["per_position"]["loss"]) == 64
+  assert all(np.isfinite(written["per_position"]["loss"]))
+  assert (rope_run / "eval" / "ppl_vs_length.png").read_bytes()[:4] == b"\x89PNG"
+  assert any("length 2/2" in line and "tokens/s" in line for line in lines)
+
+
+def test_evaluate_workdir_rope_scaling_writes_a_separate_file(rope_run):
+  plain, plain_path = _evaluate(rope_run, lengths=[64], protocol="nonoverlapping")
+  scaled, path = _evaluate(
+    rope_run, lengths=[64], protocol="nonoverlapping", rope_scaling="linear", rope_factor=2.0
+  )
+  assert path.name == "ppl_vs_length_linear_2.json"
+  assert (rope_run / "eval" / "ppl_vs_length_linear_2.png").exists()
+  assert json.loads(plain_path.read_text()) == json.loads(json.dumps(plain))
+  assert scaled["rope_scaling"] == {"kind": "linear", "factor": 2.0}
+  # Same weights, other frequencies: a different loss on the same tokens.
+  assert scaled["records"][0]["tokens"] == plain["records"][0]["tokens"]
+  assert scaled["records"][0]["loss"] != plain["records"][0]["loss"]
+
+
+def test_evaluate_workdir_data_files_use_the_run_tokenizer(rope_run, tmp_path):
+  _write_text(tmp_path / "other" / "a.txt", 5, lines=30)
+  result, path = _evaluate(
+    rope_run, lengths=[32], protocol="nonoverlapping", data_files=str(tmp_path / "other" / "*.txt"),
+    out="other_text",
+  )  # fmt: skip
+  assert path.name == "other_text.json"
+  assert result["split"].startswith("files:")
+  assert result["records"][0]["tokens"] == 128
+
+
+def test_evaluate_workdir_learned_positions_skip_lengths_past_max_len(tmp_path):
+  workdir = _make_run(tmp_path, "learned_run", kind="learned", max_len=SEQ_LEN)
+  result, _ = _evaluate(workdir, protocol="nonoverlapping")
+  evaluated, skipped = result["records"]
+  assert evaluated["length"] == 32 and "loss" in evaluated
+  assert skipped["length"] == 64 and set(skipped) == {"length", "protocol", "skipped"}
+  assert "posenc.max_len" in skipped["skipped"]
+  assert result["per_position"]["length"] == 32
+
+
+def test_eval_model_config_rope_scaling_of_a_non_rope_run_raises(tmp_path):
+  workdir = _make_run(tmp_path, "alibi_run", kind="alibi")
+  run_config = config_lib.load_run_config(workdir)
+  with pytest.raises(ValueError, match="posenc.kind"):
+    eval_run.eval_model_config(run_config.model, seq_len=SEQ_LEN, rope_scaling="yarn")
+
+
+def test_eval_model_config_dense_attention_becomes_auto():
+  cfg = config_lib.run_config_from_dict(default.get_config()).model
+  dense = eval_run.eval_model_config(
+    type(cfg)(**{**cfg.__dict__, "attention_impl": "dense"}), seq_len=512
+  )
+  assert dense.attention_impl == "auto"
+
+
+def test_default_lengths_and_output_name():
+  assert eval_run.default_lengths(256) == [256, 512, 1024, 2048, 4096]
+  assert eval_run.output_name() == "ppl_vs_length"
+  assert eval_run.output_name(rope_scaling="yarn", rope_factor=4.0) == "ppl_vs_length_yarn_4"
+  assert eval_run.output_name("mine", rope_scaling="yarn", rope_factor=4.0) == "mine"
+
+
+def test_bin_positions_averages_weighted_loss_per_bin():
+  loss = np.array([1.0, 3.0, 0.0, 0.0, 4.0, 8.0])
+  weight = np.array([1.0, 1.0, 0.0, 0.0, 2.0, 2.0])
+  assert eval_run.bin_positions(loss, weight, max_points=3) == [2.0, None, 3.0]
+  assert eval_run.bin_positions(loss[:2], weight[:2]) == [1.0, 3.0]
+
+
+def test_eval_cli_without_checkpoint_exits_with_one_clear_error(tmp_path):
+  workdir = tmp_path / "empty_run"
+  config_lib.write_config_json(workdir, config_lib.run_config_from_dict(default.get_config()))
+  proc = _run_cli(f"--workdir={workdir}")
+  assert proc.returncode != 0
+  assert "no checkpoint" in proc.stderr
+  assert "Traceback" not in proc.stderr
+
+
+def test_eval_cli_compare_writes_one_png_of_several_runs(tmp_path):
+  for name, posenc, ppls in (("a", "rope", [5.0, 6.0]), ("b", "alibi", [5.5, 5.4])):
+    records = [
+      {"length": n, "protocol": "nonoverlapping", "loss": float(np.log(p)), "ppl": p, "tokens": 64}
+      for n, p in zip((32, 64), ppls, strict=True)
+    ]
+    result = {
+      "step": 1,
+      "posenc": posenc,
+      "rope_scaling": None,
+      "split": "validation",
+      "records": records + [{"length": 128, "protocol": "nonoverlapping", "skipped": "too long"}],
+      "per_position": {"length": 64, "loss": [1.0, 2.0, None, 3.0]},
+    }
+    eval_run.write_result(result, tmp_path / name / "eval" / "ppl_vs_length.json")
+  plot = tmp_path / "compare.png"
+  proc = _run_cli(f"--compare={tmp_path / 'a'},{tmp_path / 'b'}", f"--plot={plot}")
+  assert proc.returncode == 0, proc.stderr
+  assert plot.read_bytes()[:4] == b"\x89PNG"
+  missing = _run_cli(f"--compare={tmp_path / 'a'},{tmp_path / 'nothing'}", f"--plot={plot}")
+  assert missing.returncode != 0 and "Traceback" not in missing.stderr
+  assert "eval.py --workdir=" in missing.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_kind", ["decoder", "encoder"])
+def test_eval_cli_reproduces_the_training_eval_loss(tmp_path, model_kind):
+  _write_text(tmp_path / "text" / "train.txt", 0, lines=200)
+  _write_text(tmp_path / "text" / "valid.txt", 1, lines=60)
+  workdir = tmp_path / f"{model_kind}_run"
+  overrides = {
+    "model.kind": model_kind,
+    "model.num_layers": 1,
+    "model.emb_dim": 32,
+    "model.num_heads": 2,
+    "model.mlp_dim": 64,
+    "data.source": "files",
+    "data.files": tmp_path / "text" / "train.txt",
+    "data.validation_files": tmp_path / "text" / "valid.txt",
+    "data.cache_dir": tmp_path / "cache",
+    "data.seq_len": SEQ_LEN,
+    "train.global_batch_size": 4,
+    "train.num_train_steps": 12,
+    "train.log_every_steps": 6,
+    "train.eval_every_steps": 12,
+    "train.eval_max_tokens": 256,
+    "train.checkpoint_every_steps": 12,
+    "train.seed": 3,  # the encoder's evaluation mask is drawn from it
+    "optim.warmup_steps": 2,
+  }
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
+  train = subprocess.run(
+    [sys.executable, str(REPO / "train.py"), "--config=configs/default.py", f"--workdir={workdir}"]
+    + [f"--config.{k}={v}" for k, v in overrides.items()],
+    capture_output=True, text=True, env=env, cwd=REPO, timeout=600,
+  )  # fmt: skip
+  assert train.returncode == 0, train.stderr[-3000:]
+  lines = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+  logged = [x for x in lines if "eval_loss" in x and x["step"] == 12][-1]
+
+  proc = _run_cli(
+    f"--workdir={workdir}", f"--lengths={SEQ_LEN}", "--protocol=nonoverlapping",
+    "--max_tokens=256",
+  )  # fmt: skip
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  result = json.loads((workdir / "eval" / "ppl_vs_length.json").read_text())
+  (record,) = result["records"]
+  assert result["step"] == 12
+  assert record["tokens"] == logged["eval_tokens"]
+  assert abs(record["loss"] - logged["eval_loss"]) <= 1e-5
+  if model_kind == "encoder":
+    assert abs(record["accuracy"] - logged["eval_accuracy"]) <= 1e-5
+  assert (workdir / "eval" / "ppl_vs_length.png").read_bytes()[:4] == b"\x89PNG"

@@ -1,0 +1,215 @@
+"""Tests of eval_lib: the same span at every length, protocols, blockwise loss, encoder masking."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from roformer import eval_lib
+from roformer.data import ByteTokenizer
+from roformer.model import ModelConfig, make_model
+
+VOCAB = ByteTokenizer.vocab_size
+
+
+@functools.cache
+def _model(kind="decoder", block=64):
+  """A tiny model; cached so that tests share compiled scoring functions of equal shapes."""
+  cfg = ModelConfig(
+    kind=kind, vocab_size=VOCAB, num_layers=1, emb_dim=16, num_heads=2, mlp_dim=32,
+    attention_block=block,
+  )  # fmt: skip
+  return make_model(cfg, rngs=nnx.Rngs(0))
+
+
+def _tokens(n=700, seed=0):
+  # Byte-like text with EOS separators, so the encoder's special-token rule is exercised.
+  tokens = np.random.default_rng(seed).integers(32, 127, n).astype(np.int32)
+  tokens[::50] = ByteTokenizer.eos_id
+  return tokens
+
+
+def _direct_loss(model, windows):
+  """Loss and accuracy from the model's full [N, L, V] logits (the reference)."""
+  graphdef, state = nnx.split(model)
+  forward = jax.jit(lambda state, x, p: nnx.merge(graphdef, state)(x, p))
+  # One window per call: one compile whatever the number of windows.
+  logits = np.concatenate(
+    [
+      forward(state, x[None], p[None])
+      for x, p in zip(windows.inputs, windows.positions, strict=True)
+    ]
+  ).astype(np.float64)
+  peak = logits.max(-1, keepdims=True)
+  logp = logits - peak - np.log(np.exp(logits - peak).sum(-1, keepdims=True))
+  nll = -np.take_along_axis(logp, windows.targets[..., None], -1)[..., 0]
+  correct = logits.argmax(-1) == windows.targets
+  w = windows.weights.astype(np.float64)
+  return (nll * w).sum() / w.sum(), (correct * w).sum() / w.sum()
+
+
+def _evaluate(model, tokens, **kwargs):
+  args = dict(model_kind="decoder", stride=0, max_tokens=256, max_length=64, batch_size=4)
+  args.update(kwargs)
+  args["stride"] = args["stride"] or args["length"]
+  return eval_lib.evaluate_at_length(model, tokens, **args)
+
+
+@pytest.mark.parametrize("model_kind", ["decoder", "encoder"])
+def test_make_windows_every_length_and_protocol_scores_the_same_tokens(model_kind):
+  tokens = _tokens()
+  scored = set()
+  for length in (8, 16, 32, 64):
+    for protocol, stride in (("nonoverlapping", length), ("sliding", max(1, length // 4))):
+      w = eval_lib.make_windows(
+        tokens,
+        model_kind=model_kind,
+        length=length,
+        protocol=protocol,
+        stride=stride,
+        max_tokens=256,
+        max_length=64,
+        tokenizer=ByteTokenizer(),
+      )
+      # Every scored (window, slot) names its target; the multiset must not depend on the length.
+      targets = tuple(sorted(w.targets[w.weights > 0].tolist()))
+      scored.add((w.num_tokens, float(w.weights.sum()), targets))
+  assert len(scored) == 1
+  num_tokens = scored.pop()[0]
+  assert num_tokens == (256 if model_kind == "decoder" else pytest.approx(0.15 * 256, abs=20))
+
+
+def test_make_windows_encoder_masks_inputs_only_where_scored_targets_differ():
+  tokens = _tokens()
+  w = eval_lib.make_windows(
+    tokens,
+    model_kind="encoder",
+    length=32,
+    protocol="nonoverlapping",
+    stride=32,
+    max_tokens=256,
+    max_length=64,
+    tokenizer=ByteTokenizer(),
+  )
+  changed = w.inputs != w.targets
+  assert changed.any()
+  # Corrupted inputs occur only at masked positions; most of those hold the mask token.
+  assert (w.weights[changed] > 0).all()
+  assert (w.inputs[changed] == ByteTokenizer.mask_id).mean() > 0.6
+  assert not ((w.weights > 0) & (w.targets == ByteTokenizer.eos_id)).any()
+  # Targets are the window's own tokens, at consecutive positions of the stream.
+  np.testing.assert_array_equal(w.targets[0], tokens[64:96])
+
+
+def test_evaluate_at_length_same_token_count_at_every_length_and_protocol():
+  model, tokens = _model(), _tokens()
+  counts = set()
+  for length in (16, 32):
+    for protocol in ("nonoverlapping", "sliding"):
+      stride = length if protocol == "nonoverlapping" else length // 4
+      r = _evaluate(model, tokens, length=length, protocol=protocol, stride=stride)
+      counts.add((r["tokens"], r["weight_sum"]))
+      assert np.isfinite(r["loss"]) and r["ppl"] == pytest.approx(np.exp(r["loss"]))
+  assert counts == {(256, 256.0)}
+
+
+def test_evaluate_at_length_sliding_with_stride_equal_length_equals_nonoverlapping():
+  model, tokens = _model(), _tokens()
+  a = _evaluate(model, tokens, length=32, protocol="nonoverlapping")
+  b = _evaluate(model, tokens, length=32, protocol="sliding", stride=32)
+  assert a == b
+
+
+def test_evaluate_at_length_blockwise_matches_full_logits_loss():
+  # Blockwise attention and loss; the block does not divide the length (the last loss block is
+  # shifted back) and the last batch is padded with zero-weight rows.
+  length, block, batch_size = 40, 16, 3
+  model, tokens = _model(block=block), _tokens()
+  for protocol, stride in (("nonoverlapping", length), ("sliding", length // 4)):
+    windows = eval_lib.make_windows(
+      tokens,
+      model_kind="decoder",
+      length=length,
+      protocol=protocol,
+      stride=stride,
+      max_tokens=256,
+      max_length=64,
+    )
+    assert len(windows.inputs) % batch_size
+    r = _evaluate(
+      model, tokens, length=length, protocol=protocol, stride=stride, batch_size=batch_size
+    )
+    expected, _ = _direct_loss(model, windows)
+    assert r["loss"] == pytest.approx(expected, abs=1e-5)
+    assert "accuracy" not in r
+
+
+def test_evaluate_at_length_encoder_reports_masked_loss_and_accuracy():
+  model, tokens = _model(kind="encoder"), _tokens()
+  kwargs = dict(model_kind="encoder", length=32, protocol="nonoverlapping", stride=32)
+  kwargs.update(tokenizer=ByteTokenizer(), mlm_probability=0.15, seed=3)
+  r = _evaluate(model, tokens, **kwargs)
+  windows = eval_lib.make_windows(tokens, **kwargs, max_tokens=256, max_length=64)
+  loss, accuracy = _direct_loss(model, windows)
+  assert r["loss"] == pytest.approx(loss, abs=1e-5)
+  assert r["accuracy"] == pytest.approx(accuracy, abs=1e-9)
+  assert r["tokens"] == windows.num_tokens == r["weight_sum"]
+  # Deterministic: the same seed gives the same result; another seed masks other tokens.
+  assert _evaluate(model, tokens, **kwargs) == r
+  assert _evaluate(model, tokens, **{**kwargs, "seed": 4})["loss"] != r["loss"]
+
+
+def test_evaluate_at_length_encoder_without_tokenizer_raises():
+  with pytest.raises(ValueError, match="tokenizer"):
+    _evaluate(
+      _model(kind="encoder"), _tokens(), model_kind="encoder", length=32, protocol="nonoverlapping"
+    )
+
+
+def test_score_windows_position_sums_add_up_to_the_loss_sum():
+  model, tokens = _model(), _tokens()
+  windows = eval_lib.make_windows(
+    tokens, model_kind="decoder", length=32, protocol="sliding", stride=8, max_tokens=256,
+    max_length=64,
+  )  # fmt: skip
+  calls = []
+  scores = eval_lib.score_windows(
+    model, windows, batch_size=4, progress=lambda done, total: calls.append((done, total))
+  )
+  assert scores.position_loss_sum.sum() == pytest.approx(scores.loss_sum, rel=1e-6)
+  # Sliding windows score only their last `stride` positions.
+  np.testing.assert_array_equal(scores.position_loss_sum[:24], 0.0)
+  assert (scores.position_weight_sum[24:] > 0).all()
+  assert calls[-1] == (len(windows.inputs), len(windows.inputs))
+
+
+class _EmbeddingOnly(nnx.Module):
+  """hidden = token embeddings, logits = the tied head: a large vocabulary, nothing else."""
+
+  def __init__(self, vocab, dim, block):
+    self.cfg = ModelConfig(attention_block=block)
+    self.embed = nnx.Embed(vocab, dim, rngs=nnx.Rngs(0))
+
+  def hidden(self, tokens_BL, positions_BL, deterministic=True):
+    del positions_BL, deterministic
+    return self.embed(tokens_BL)
+
+  def logits(self, h_BLD):
+    return self.embed.attend(h_BLD).astype(jnp.float32)
+
+
+def test_score_batch_never_holds_more_than_a_block_of_logits():
+  length, vocab, block = 2048, 4096, 128
+  model = _EmbeddingOnly(vocab, 8, block)
+  graphdef, state = nnx.split(model)
+  x = np.zeros((1, length), np.int32)
+  w = np.ones((1, length), np.float32)
+  compiled = eval_lib.score_batch.lower(graphdef, state, x, x, x, w, block=block).compile()
+  analysis = compiled.memory_analysis()
+  if analysis is None:
+    pytest.skip("this backend reports no memory analysis")
+  # Full logits would be 32 MiB; a few [block, V] buffers are 2 MiB each.
+  assert analysis.temp_size_in_bytes < length * vocab * 4 / 4
