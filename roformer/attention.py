@@ -158,13 +158,6 @@ def split_blocks(x_BT, block, value=0):
   return jnp.moveaxis(x_BT.reshape(B, n, block, *x_BT.shape[2:]), 1, 0)
 
 
-def merge_blocks(x_NBb, length):
-  """[N, B, block, ...] -> [B, length, ...]: inverse of `split_blocks` (drops the padding)."""
-  N, B, block = x_NBb.shape[:3]
-  x_BNb = jnp.moveaxis(x_NBb, 0, 1)
-  return x_BNb.reshape(B, N * block, *x_NBb.shape[3:])[:, :length]
-
-
 def chunked_attention(
   q_BLHK,
   k_BSGK,
@@ -183,13 +176,17 @@ def chunked_attention(
 ):
   """Blockwise online-softmax kernel: memory O(L * block), any L and S.
 
-  Query blocks are mapped over and key blocks scanned with a running max, denominator and
-  accumulator (fp32). The positional bias and the mask are computed per block from positions, so
-  no [L, S] array ever exists; key blocks with no allowed key (e.g. after the query block under a
-  causal mask) are skipped. Both loop bodies are rematerialised, so gradients store only the
-  inputs of each query block rather than every block's scores. Attention dropout drops the
-  unnormalised block probabilities with a key folded from (query block, key block); the
-  denominator is not dropped, which equals dropping the normalised probabilities.
+  A fori_loop runs over query blocks and a scan over key blocks with a running max, denominator
+  and accumulator (fp32). The positional bias and the mask are computed per block from positions,
+  so no [L, S] array ever exists; key blocks with no allowed key (e.g. after the query block under
+  a causal mask) are skipped. Each query block's output is written over the rotated queries it
+  was computed from, which no later block reads, so XLA reuses q's buffer for the output instead
+  of stacking the blocks into a new one (when L is not a multiple of the block, the last block is
+  shifted back to end at L and keeps the rows already written). Both loop bodies are
+  rematerialised, so gradients store only the inputs of each query block rather than every
+  block's scores. Attention dropout drops the unnormalised block probabilities with a key folded
+  from (query block, key block); the denominator is not dropped, which equals dropping the
+  normalised probabilities.
 
   Args and returns: as `dense_attention`; `block` is the query and key block size.
   """
@@ -202,17 +199,15 @@ def chunked_attention(
   if qseg_BL is None:
     qseg_BL = jnp.zeros((B, L), jnp.int32)
     kseg_BS = jnp.zeros((B, S), jnp.int32)
-  # Padded keys are excluded by `kvalid`; padded queries are computed and dropped.
+  # Padded keys are excluded by `kvalid`.
   kvalid_BS = jnp.ones((B, S), bool)
-  q_nBqGRK = split_blocks(_split_heads(q_BLHK, G), bq)
-  qpos_nBq = split_blocks(qpos_BL, bq)
-  qseg_nBq = split_blocks(qseg_BL, bq)
   k_xs = (jnp.arange(nk),) + tuple(
     split_blocks(x, bk) for x in (k_BSGK, v_BSGK, kpos_BS, kseg_BS, kvalid_BS)
   )
 
-  def query_block(q_args):
-    qi, q_BqGRK, qpos_Bq, qseg_Bq = q_args
+  @jax.checkpoint
+  def query_block(qi, q_BqHK, qpos_Bq, qseg_Bq):
+    q_BqGRK = _split_heads(q_BqHK, G)
 
     def key_block(carry, k_args):
       ki, k_BkGK, v_BkGK, kpos_Bk, kseg_Bk, kvalid_Bk = k_args
@@ -247,13 +242,22 @@ def chunked_attention(
     )
     (_, l_BGRq, acc_BGRqK), _ = jax.lax.scan(jax.checkpoint(key_block), init, k_xs)
     o_BGRqK = acc_BGRqK / jnp.where(l_BGRq == 0.0, 1.0, l_BGRq)[..., None]
-    return o_BGRqK.astype(q_BLHK.dtype)
+    o_BqGRK = jnp.transpose(o_BGRqK, (0, 3, 1, 2, 4))
+    return o_BqGRK.reshape(B, bq, H, K).astype(q_BLHK.dtype)
 
-  o_nBGRqK = jax.lax.map(
-    jax.checkpoint(query_block), (jnp.arange(nq), q_nBqGRK, qpos_nBq, qseg_nBq)
-  )
-  o_nBqGRK = jnp.transpose(o_nBGRqK, (0, 1, 4, 2, 3, 5))
-  return merge_blocks(o_nBqGRK, L).reshape(B, L, H, K)
+  def write_query_block(qi, qo_BLHK):
+    # Rows before qi * bq hold outputs already; rows from there on still hold rotated queries.
+    start = jnp.minimum(qi * bq, L - bq)
+    q_BqHK, qpos_Bq, qseg_Bq = (
+      jax.lax.dynamic_slice_in_dim(x, start, bq, axis=1) for x in (qo_BLHK, qpos_BL, qseg_BL)
+    )
+    o_BqHK = query_block(qi, q_BqHK, qpos_Bq, qseg_Bq)
+    if L % bq:
+      done_1q11 = (start + jnp.arange(bq) < qi * bq)[None, :, None, None]
+      o_BqHK = jnp.where(done_1q11, q_BqHK, o_BqHK)
+    return jax.lax.dynamic_update_slice_in_dim(qo_BLHK, o_BqHK, start, axis=1)
+
+  return jax.lax.fori_loop(0, nq, write_query_block, q_BLHK)
 
 
 def auto_attention(q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS, *, block: int = 512, **kwargs):

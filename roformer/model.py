@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from roformer.attention import KERNELS, Attention, merge_blocks, split_blocks
+from roformer.attention import KERNELS, Attention
 from roformer.attention import dropout as _dropout
 from roformer.posenc import make_posenc, validate_posenc
 from roformer.posenc_config import PosEncConfig
@@ -194,10 +194,11 @@ class Encoder(nnx.Module):
     x_BLE = self.posenc.embed(x_BLE, positions_BL).astype(DTYPES[cfg.dtype])
 
     def embed_tail(key, x_BLE):
-      x_BLE = _dropout(self.embed_norm(x_BLE), cfg.dropout_rate, key)
-      return x_BLE if self.embed_project is None else self.embed_project(x_BLE)
+      return _dropout(self.embed_norm(x_BLE), cfg.dropout_rate, key)
 
-    x_BLD = _seqwise(embed_tail, x_BLE, block=cfg.attention_block, key=_fold(key, 0))
+    x_BLE = _seqwise(embed_tail, x_BLE, block=cfg.attention_block, key=_fold(key, 0))
+    # E -> D has no intermediate wider than its [B, L, D] output, so it needs no blocks.
+    x_BLD = x_BLE if self.embed_project is None else self.embed_project(x_BLE)
     x_BLD = _run_layers(self.layers, x_BLD, positions_BL, self.posenc, segment_ids_BL, key)
     if self.final_norm is not None:
       x_BLD = _seqwise(lambda _, x: self.final_norm(x), x_BLD, block=cfg.attention_block)
@@ -278,8 +279,10 @@ def _run_layers(layers, x_BLD, positions_BL, posenc, segment_ids_BL, key):
 class Block(nnx.Module):
   """Attention + MLP sublayers with residuals; post-LN (BERT/RoFormer) or pre-LN.
 
-  Position-wise parts (norms, projections, MLP) run over sequence blocks of
-  `cfg.attention_block` when L is longer, so activation memory stays O(L * D), not O(L * F).
+  The output projection and the MLP run over sequence blocks of `cfg.attention_block` when L is
+  longer, updating the residual stream in place, so activation memory stays O(L * D), not
+  O(L * F). The q/k/v projections run over the whole sequence: their outputs are [B, L, ...]
+  anyway and they have no wider intermediate.
   """
 
   def __init__(self, cfg: ModelConfig, *, causal: bool, pre_norm: bool, rngs: nnx.Rngs):
@@ -308,10 +311,7 @@ class Block(nnx.Module):
   def __call__(self, x_BLD, pos_BL, posenc, *, segment_ids_BL=None, dropout_key=None):
     """x [B, L, D] at positions [B, L] -> [B, L, D]; `dropout_key` None = no dropout."""
 
-    def project_in(_, x_BLD):
-      return self.attn.qkv(self.attn_norm(x_BLD) if self.pre_norm else x_BLD)
-
-    q_BLHK, k_BLGK, v_BLGK = _seqwise(project_in, x_BLD, block=self.seq_block)
+    q_BLHK, k_BLGK, v_BLGK = self.attn.qkv(self.attn_norm(x_BLD) if self.pre_norm else x_BLD)
     o_BLHK = self.attn.attend(
       q_BLHK,
       k_BLGK,
@@ -356,18 +356,15 @@ class Mlp(nnx.Module):
 
 
 def _posenc(cfg, emb_dim, *, causal, rngs):
-  # Constants an encoding derives from its config (e.g. ALiBi slopes as Python floats) must stay
-  # concrete when the model is built under jit or nnx.eval_shape (sharded init, restore).
-  with jax.ensure_compile_time_eval():
-    return make_posenc(
-      cfg.posenc,
-      num_heads=cfg.num_heads,
-      head_dim=resolve_head_dim(cfg),
-      emb_dim=emb_dim,
-      causal=causal,
-      param_dtype=DTYPES[cfg.param_dtype],
-      rngs=rngs,
-    )
+  return make_posenc(
+    cfg.posenc,
+    num_heads=cfg.num_heads,
+    head_dim=resolve_head_dim(cfg),
+    emb_dim=emb_dim,
+    causal=causal,
+    param_dtype=DTYPES[cfg.param_dtype],
+    rngs=rngs,
+  )
 
 
 def _embed(cfg, num, dim, rngs):
@@ -438,19 +435,38 @@ def _fold(key, i):
 
 
 def _seqwise(fn, *xs_BL, block, key=None):
-  """Applies a position-wise `fn(key, *xs)` to [B, L, ...] arrays, over blocks of L if L > block.
+  """Applies a position-wise `fn(key, *xs)` over blocks of L, writing over the last input.
 
-  Blocks run one after another (lax.map), so intermediates of `fn` (e.g. the MLP's [B, L, F])
-  exist for one block at a time. Each block gets its own dropout key.
+  `fn` must return an array of the last input's shape and dtype. For L > block, a fori_loop reads
+  block i of every input and writes the result over block i of the last input, which no later
+  block reads: XLA then updates that buffer in place. (A lax.map would stack the results into a
+  fresh [B, L, ...] buffer per call, and XLA on CPU allocates those for every layer up front.)
+  Intermediates of `fn` (e.g. the MLP's [B, L, F]) exist for one block at a time. When L is not a
+  multiple of block, the last block is shifted back to end at L and keeps the positions already
+  written. Block i gets the dropout key fold_in(key, i).
+
+  Args:
+    fn: (key or None, *blocks [B, C, ...]) -> [B, C, ...] shaped like the last block.
+    *xs_BL: [B, L, ...] arrays; the last one is overwritten block by block.
+    block: sequence block C.
+    key: dropout key, or None.
+
+  Returns:
+    fn applied at every position, shaped like the last input.
   """
   L = xs_BL[0].shape[1]
   if L <= block:
     return fn(key, *xs_BL)
+  *ins_BL, out_BL = xs_BL
 
-  def body(args):
-    i, *xs = args
-    return fn(_fold(key, i), *xs)
+  def body(i, out_BL):
+    start = jnp.minimum(i * block, L - block)
+    ins_BC = [jax.lax.dynamic_slice_in_dim(x, start, block, axis=1) for x in ins_BL]
+    old_BC = jax.lax.dynamic_slice_in_dim(out_BL, start, block, axis=1)
+    new_BC = fn(_fold(key, i), *ins_BC, old_BC)
+    if L % block:
+      done_C = start + jnp.arange(block) < i * block
+      new_BC = jnp.where(done_C.reshape((1, block) + (1,) * (old_BC.ndim - 2)), old_BC, new_BC)
+    return jax.lax.dynamic_update_slice_in_dim(out_BL, new_BC, start, axis=1)
 
-  blocks = [split_blocks(x, block) for x in xs_BL]
-  out = jax.lax.map(body, (jnp.arange(blocks[0].shape[0]), *blocks))
-  return jax.tree.map(lambda y: merge_blocks(y, L), out)
+  return jax.lax.fori_loop(0, -(-L // block), body, out_BL)

@@ -521,6 +521,19 @@ def test_posenc_modules_run_under_jit_as_pytrees(kind):
   assert bool(jnp.any(bias_BHLS != 0)) == (kind in ("alibi", "t5"))
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_make_posenc_builds_under_eval_shape_for_every_kind(causal):
+  # Restoring a checkpoint or a sharded init builds the model, and so its encoding, in a trace.
+  for kind in [k for k in POSENC_KINDS if causal or k != "xpos"]:  # xpos is causal only
+    concrete = make(kind, causal=causal)
+    abstract = nnx.eval_shape(lambda kind=kind: make(kind, causal=causal))
+    assert type(abstract) is type(concrete)
+    shapes = jax.tree.map(lambda x: (x.shape, x.dtype), nnx.state(abstract))
+    assert shapes == jax.tree.map(lambda x: (x.shape, x.dtype), nnx.state(concrete))
+  alibi = nnx.eval_shape(lambda: make("alibi", num_heads=8, causal=causal))
+  assert alibi.slopes == tuple(2.0**-k for k in range(1, 9))
+
+
 # ---- Registry and validation ----
 
 

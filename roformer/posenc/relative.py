@@ -25,6 +25,12 @@ def alibi_slopes(num_heads: int) -> jax.Array:
   Returns:
     float32 [num_heads].
   """
+  return jnp.asarray(_alibi_slopes_np(num_heads))
+
+
+def _alibi_slopes_np(num_heads: int) -> np.ndarray:
+  # numpy, not jnp: under jit or nnx.eval_shape (sharded init, restore) a jnp array would be a
+  # tracer, and the module needs the slopes as concrete constants.
   if num_heads < 1:
     raise ValueError(f"alibi_slopes needs num_heads >= 1, got {num_heads}")
 
@@ -36,7 +42,7 @@ def alibi_slopes(num_heads: int) -> jax.Array:
   slopes = power_of_two_slopes(p)
   if p != num_heads:
     slopes += power_of_two_slopes(2 * p)[0::2][: num_heads - p]
-  return jnp.asarray(np.asarray(slopes, np.float32))
+  return np.asarray(slopes, np.float32)
 
 
 class Alibi(PosEnc):
@@ -51,7 +57,7 @@ class Alibi(PosEnc):
   def __init__(self, cfg: PosEncConfig, *, num_heads: int, **kwargs):
     super().__init__(cfg, num_heads=num_heads, **kwargs)
     # Python floats, so the module holds no array state (slopes are constants, not parameters).
-    self.slopes = tuple(float(m) for m in np.asarray(alibi_slopes(num_heads)))
+    self.slopes = tuple(float(m) for m in _alibi_slopes_np(num_heads))
 
   def bias(self, qpos_BL, kpos_BS):
     """float32 [B, H, L, S] for integer positions qpos [B, L] and kpos [B, S]."""
