@@ -34,9 +34,8 @@ class ModelConfig:
   activation: str = "gelu"  # gelu | swiglu
   norm: str = "layernorm"  # layernorm | rmsnorm
   norm_eps: float = 1e-12
-  pre_norm: bool = (
-    False  # encoder only: False = post-LN (BERT/RoFormer); decoders are always pre-LN
-  )
+  # Encoder only: False = post-LN (BERT/RoFormer); decoders are always pre-LN.
+  pre_norm: bool = False
   use_bias: bool = True
   tie_embeddings: bool = True
   embedding_size: int = 0  # 0 = emb_dim; else embeddings are projected up (HF `embeddings_project`)
@@ -44,9 +43,8 @@ class ModelConfig:
   dtype: str = "float32"  # compute dtype: float32 | bfloat16
   param_dtype: str = "float32"
   attention_impl: str = "auto"  # dense | chunked | auto
-  attention_block: int = (
-    512  # query/key block of the chunked kernel, and sequence block of blockwise eval
-  )
+  # Query/key block of the chunked kernel, and the sequence block of position-wise layers.
+  attention_block: int = 512
   attention_window: int = 0  # sliding window: keys within this many positions of the query; 0 = all
   posenc: PosEncConfig = PosEncConfig()
 

@@ -1,0 +1,1 @@
+"""Training configurations (ml_collections); variants import `default` and override a few fields."""

@@ -1,0 +1,213 @@
+"""Every configuration field with its default; other configs import this and override a few.
+
+Run: python train.py --config=configs/default.py --workdir=DIR [--config.group.field=value ...]
+"""
+
+import ml_collections
+
+# Logical parameter axis -> mesh axes. 'batch' shards the data over data x fsdp; parameters are
+# split over fsdp on their model dimension and over tensor on heads / mlp / vocabulary.
+DEFAULT_RULES = (
+  ("batch", ("data", "fsdp")),
+  ("embed", "fsdp"),
+  ("mlp", "tensor"),
+  ("heads", "tensor"),
+  ("kv", None),
+  ("vocab", "tensor"),
+)
+
+
+def get_config() -> ml_collections.ConfigDict:
+  """The default configuration: a 6-layer RoPE decoder LM on the Python standard library bytes."""
+  config = ml_collections.ConfigDict()
+
+  # ---- model: the Transformer (the vocabulary size comes from the tokenizer) ----
+  config.model = model = ml_collections.ConfigDict()
+  # "decoder" (causal LM, next-token loss) or "encoder" (BERT-style masked LM).
+  model.kind = "decoder"
+  # Number of Transformer blocks.
+  model.num_layers = 6
+  # Width of the residual stream (D).
+  model.emb_dim = 512
+  # Number of query heads (H).
+  model.num_heads = 8
+  # Number of key/value heads (G): 0 = num_heads (MHA), 1 = MQA, otherwise GQA (divides num_heads).
+  model.num_kv_heads = 0
+  # Per-head dimension (K): 0 = emb_dim // num_heads.
+  model.head_dim = 0
+  # Hidden width of the MLP (F).
+  model.mlp_dim = 2048
+  # Dropout on attention probabilities and residual branches during training (0 = off).
+  model.dropout_rate = 0.0
+  # MLP activation: "gelu" or "swiglu".
+  model.activation = "gelu"
+  # Normalisation layer: "layernorm" or "rmsnorm".
+  model.norm = "layernorm"
+  # Epsilon of the normalisation layers.
+  model.norm_eps = 1e-6
+  # Encoder only: True = pre-LN blocks, False = post-LN (BERT / RoFormer). Decoders are pre-LN.
+  model.pre_norm = False
+  # Whether dense layers have biases.
+  model.use_bias = True
+  # Share the input embedding with the output projection.
+  model.tie_embeddings = True
+  # Width of the token embeddings: 0 = emb_dim; otherwise they are projected up to emb_dim.
+  model.embedding_size = 0
+  # Number of token types (segment A/B embeddings): 0 = none.
+  model.type_vocab_size = 0
+  # Compute dtype: "float32" or "bfloat16" (softmax, norms and RoPE angles stay float32).
+  model.dtype = "float32"
+  # Parameter (and optimizer state) dtype.
+  model.param_dtype = "float32"
+  # Attention kernel: "dense" (materialises scores), "chunked" (blockwise) or "auto".
+  model.attention_impl = "auto"
+  # Query/key block of the chunked kernel, and the sequence block of blockwise evaluation.
+  model.attention_block = 512
+  # Sliding-window attention: keys within this many positions of the query (0 = all keys).
+  model.attention_window = 0
+
+  # ---- posenc: the positional encoding (one field picks it; every kind's fields are here) ----
+  config.posenc = posenc = ml_collections.ConfigDict()
+  # One of: sinusoidal, learned, t5, alibi, rope, xpos, nope.
+  posenc.kind = "rope"
+  # learned: size of the position table (longest sequence the model can take).
+  posenc.max_len = 512
+  # RoPE / xPos / sinusoidal base b of the frequencies b^(-2i/d).
+  posenc.max_wavelength = 10000.0
+  # RoPE pairing of dimensions: "interleaved" (2i, 2i+1) as in RoFormer, or "half" (i, i + d/2).
+  posenc.rope_layout = "interleaved"
+  # Fraction of each head's dimensions that rotate (1.0 = all).
+  posenc.rope_fraction = 1.0
+  # t5: number of relative-position buckets.
+  posenc.t5_num_buckets = 32
+  # t5: distance beyond which all positions share the last bucket.
+  posenc.t5_max_distance = 128
+  # xpos: gamma of the per-dimension decay base (zeta_i = (i / (d/2) + gamma) / (1 + gamma)).
+  posenc.xpos_gamma = 0.4
+  # xpos: the scale base dividing positions in the decay exponent.
+  posenc.xpos_scale_base = 512.0
+  # RoPE context-extension scaling (also overridable at evaluation time).
+  posenc.scaling = scaling = ml_collections.ConfigDict()
+  # One of: none, linear, ntk, dynamic, ntk_by_parts, yarn, llama3.
+  scaling.kind = "none"
+  # Context extension factor s.
+  scaling.factor = 1.0
+  # Pretrained context length L0: 0 = this run's data.seq_len.
+  scaling.original_max_len = 0
+  # ntk_by_parts / yarn: rotations per context above which a frequency is left alone.
+  scaling.beta_fast = 32.0
+  # ntk_by_parts / yarn: rotations per context below which a frequency is fully interpolated.
+  scaling.beta_slow = 1.0
+  # yarn: attention-factor coefficient (0 = use 0.1 ln(factor) + 1).
+  scaling.mscale = 0.0
+  # yarn: attention-factor coefficient of the denominator (0 = unused).
+  scaling.mscale_all_dim = 0.0
+  # llama3: wavelengths longer than L0 / low_freq_factor are fully interpolated.
+  scaling.low_freq_factor = 1.0
+  # llama3: wavelengths shorter than L0 / high_freq_factor are left alone.
+  scaling.high_freq_factor = 4.0
+
+  # ---- data: corpus, tokenizer and windows ----
+  config.data = data = ml_collections.ConfigDict()
+  # "pystdlib" (this interpreter's standard library sources), "files" or "hub".
+  data.source = "pystdlib"
+  # files: glob of .txt / .jsonl / .parquet training files.
+  data.files = ""
+  # files: glob of validation files; empty = hold out the last validation_fraction of the corpus.
+  data.validation_files = ""
+  # files: glob of test files ("" = no test split).
+  data.test_files = ""
+  # Fraction of the corpus held out for validation when there are no validation files.
+  data.validation_fraction = 0.05
+  # Column (.jsonl / .parquet / hub) holding the text.
+  data.text_field = "text"
+  # hub: dataset name on the Hugging Face hub.
+  data.hub_name = ""
+  # hub: dataset configuration name ("" = default).
+  data.hub_config = ""
+  # hub: split used for training.
+  data.hub_train_split = "train"
+  # hub: split used for validation ("" = hold out the last validation_fraction of train).
+  data.hub_validation_split = "validation"
+  # hub: split used for testing ("" = no test split).
+  data.hub_test_split = "test"
+  # hub, streaming: documents taken from each split.
+  data.hub_max_documents = 100_000
+  # hub: stream the dataset instead of downloading it whole.
+  data.streaming = False
+  # "bytes" (no training needed), "bpe", "wordpiece" (trained on the training split and saved
+  # as DIR/tokenizer.json) or a path to a tokenizer.json.
+  data.tokenizer = "bytes"
+  # Vocabulary size of trained tokenizers (bpe, wordpiece).
+  data.vocab_size = 8192
+  # Trained tokenizers learn from this many characters of the training split (0 = all).
+  data.tokenizer_max_chars = 0
+  # Training sequence length in tokens (also the length of the periodic evaluation).
+  data.seq_len = 512
+  # Decoder: pack documents with segment ids instead of joining them with EOS.
+  data.pack = False
+  # Encoder: fraction of tokens masked (80% [MASK], 10% random, 10% unchanged).
+  data.mlm_probability = 0.15
+  # Where tokenized corpora are cached: "" = $ROFORMER_CACHE or ~/.cache/roformer.
+  data.cache_dir = ""
+
+  # ---- optim: AdamW with warmup then decay ----
+  config.optim = optim = ml_collections.ConfigDict()
+  # Peak learning rate (reached at the end of warmup).
+  optim.learning_rate = 3e-4
+  # Decay after warmup: "cosine", "linear" or "constant".
+  optim.schedule = "cosine"
+  # Steps of linear warmup from 0 to the peak learning rate.
+  optim.warmup_steps = 1000
+  # Learning rate at the last step, as a fraction of the peak (cosine and linear).
+  optim.final_learning_rate_fraction = 0.1
+  # Decoupled weight decay; norms, biases and other 1-D parameters are never decayed.
+  optim.weight_decay = 0.1
+  # Adam first-moment decay.
+  optim.b1 = 0.9
+  # Adam second-moment decay.
+  optim.b2 = 0.95
+  # Adam epsilon.
+  optim.eps = 1e-8
+  # Clip gradients to this global L2 norm (0 = no clipping).
+  optim.grad_clip_norm = 1.0
+  # Split each global batch into this many microbatches whose gradients are summed.
+  optim.grad_accum_steps = 1
+
+  # ---- train: the loop ----
+  config.train = train = ml_collections.ConfigDict()
+  # Sequences per optimizer step, over all devices and processes.
+  train.global_batch_size = 64
+  # Total optimizer steps (a rerun may raise it to continue training).
+  train.num_train_steps = 100_000
+  # Seed of parameter initialisation, data order and dropout.
+  train.seed = 0
+  # Write train metrics and a console line every this many steps.
+  train.log_every_steps = 100
+  # Evaluate on the validation split every this many steps (0 = only at the end).
+  train.eval_every_steps = 2000
+  # Validation targets scored per evaluation (0 = no evaluation).
+  train.eval_max_tokens = 65_536
+  # Windows per evaluation batch: 0 = train.global_batch_size.
+  train.eval_batch_size = 0
+  # Save a checkpoint every this many steps (0 = only at the end); always saved at the end.
+  train.checkpoint_every_steps = 2000
+  # Number of most recent checkpoints kept.
+  train.keep_checkpoints = 3
+  # Initialise parameters from another run's workdir (or its checkpoints/ directory) or from a
+  # Hugging Face RoFormer directory; "" = random initialisation. Ignored when resuming.
+  train.init_from = ""
+
+  # ---- mesh: device mesh and parameter sharding ----
+  config.mesh = mesh = ml_collections.ConfigDict()
+  # Data-parallel axis size (-1 = all remaining devices).
+  mesh.data = -1
+  # Fully-sharded data-parallel axis size: batch and parameters are split over it.
+  mesh.fsdp = 1
+  # Tensor-parallel axis size: heads, MLP and vocabulary are split over it.
+  mesh.tensor = 1
+  # Logical axis -> mesh axes rules (first match wins); see DEFAULT_RULES above.
+  mesh.rules = DEFAULT_RULES
+
+  config.lock()
+  return config

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Length extrapolation at quickstart scale: trains configs/quickstart.py (a 4-layer byte-level
+# decoder on pystdlib, training length 128) once per positional encoding, evaluates each from the
+# training length to 16x it, and draws the curves in one plot (results/quickstart_extrapolation.*).
+#
+# Usage: bash experiments/quickstart_extrapolation.sh [RUNS_DIR]   (about 5 minutes per encoding on 2 CPU cores)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+runs="${1:-/tmp/roformer_quickstart_extrapolation}"
+kinds="${KINDS:-rope alibi nope sinusoidal}"
+dirs=()
+for kind in $kinds; do
+  dir="$runs/$kind"
+  python train.py --config=configs/quickstart.py --workdir="$dir" --config.posenc.kind="$kind"
+  python eval.py --workdir="$dir" --protocol=nonoverlapping --max_tokens=32768
+  dirs+=("$dir")
+done
+mkdir -p results
+python eval.py --compare="$(IFS=,; echo "${dirs[*]}")" --plot=results/quickstart_extrapolation.png
+for dir in "${dirs[@]}"; do
+  cp "$dir/eval/ppl_vs_length.json" "results/quickstart_extrapolation_$(basename "$dir").json"
+done

@@ -1,0 +1,237 @@
+"""Checkpoints in DIR/checkpoints (Orbax): save, resume, restore a model for evaluation, init_from.
+
+A checkpoint holds the items "model" (nnx.state of the model), "optimizer" (nnx.state of the
+optimizer) and "meta" (JSON: step and the data iterator position).
+"""
+
+import signal
+import threading
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from absl import logging
+from etils import epath
+from flax import nnx
+
+from roformer import config_lib, sharding
+from roformer import model as model_lib
+from roformer.config_lib import ConfigError, RunConfig
+
+CHECKPOINT_DIR = "checkpoints"
+
+
+class CheckpointNotFoundError(FileNotFoundError):
+  """The workdir has no (finished) checkpoint."""
+
+
+def checkpoint_dir(workdir: str | epath.Path) -> epath.Path:
+  return epath.Path(workdir) / CHECKPOINT_DIR
+
+
+def make_manager(workdir: str | epath.Path, *, keep: int = 3, read_only: bool = False):
+  """The Orbax CheckpointManager of DIR/checkpoints, keeping the `keep` latest checkpoints."""
+  # Readers use a plain manager that creates nothing (Orbax's read_only mode warns on every use).
+  options = ocp.CheckpointManagerOptions(
+    max_to_keep=None if read_only else keep,
+    create=not read_only,
+    enable_async_checkpointing=not read_only,
+  )
+  return ocp.CheckpointManager(checkpoint_dir(workdir), options=options)
+
+
+def save(manager, step: int, model_state: Any, opt_state: Any, meta: dict) -> None:
+  """Starts saving (asynchronously; arrays are copied off the devices before it returns)."""
+  manager.save(
+    step,
+    args=ocp.args.Composite(
+      model=ocp.args.StandardSave(model_state),
+      optimizer=ocp.args.StandardSave(opt_state),
+      meta=ocp.args.JsonSave(meta),
+    ),
+    force=True,
+  )
+
+
+def restore(manager, step: int, abstract_model: Any, abstract_opt: Any) -> tuple[Any, Any, dict]:
+  """Restores (model_state, opt_state, meta) of `step` into sharded abstract targets."""
+  restored = manager.restore(
+    step,
+    args=ocp.args.Composite(
+      model=ocp.args.StandardRestore(abstract_model),
+      optimizer=ocp.args.StandardRestore(abstract_opt),
+      meta=ocp.args.JsonRestore(),
+    ),
+  )
+  return restored.model, restored.optimizer, dict(restored.meta)
+
+
+def _restore_model_state(workdir: epath.Path, step: int | None, abstract_model: Any) -> tuple:
+  if not checkpoint_dir(workdir).exists():
+    raise CheckpointNotFoundError(f"no checkpoint in {checkpoint_dir(workdir)}")
+  manager = make_manager(workdir, read_only=True)
+  try:
+    steps = manager.all_steps()
+    if not steps:
+      raise CheckpointNotFoundError(f"no checkpoint in {checkpoint_dir(workdir)}")
+    if step is None:
+      step = max(steps)
+    elif step not in steps:
+      raise CheckpointNotFoundError(
+        f"no checkpoint of step {step} in {checkpoint_dir(workdir)}; steps there: "
+        + ", ".join(str(s) for s in sorted(steps))
+      )
+    restored = manager.restore(
+      step, args=ocp.args.Composite(model=ocp.args.StandardRestore(abstract_model))
+    )
+    return restored.model, step
+  finally:
+    manager.close()
+
+
+def _eval_mesh(run_config: RunConfig):
+  """The run's mesh if this machine's device count fits it, else all devices on 'data'."""
+  try:
+    return sharding.make_mesh(run_config.mesh)
+  except ConfigError:
+    return sharding.make_mesh(config_lib.MeshConfig(data=-1, fsdp=1, tensor=1))
+
+
+def restore_model(
+  workdir: str | epath.Path, *, step: int | None = None, run_config: RunConfig | None = None
+) -> tuple[Any, int]:
+  """The model of a training run's checkpoint, for evaluation.
+
+  Args:
+    workdir: the run's workdir (holding config.json and checkpoints/).
+    step: the checkpoint's step; None = the latest.
+    run_config: overrides DIR/config.json (e.g. with a RoPE scaling for evaluation; parameter
+      shapes must not change).
+
+  Returns:
+    (model, step): the nnx model with its parameters sharded over this machine's devices.
+
+  Raises:
+    CheckpointNotFoundError: "no checkpoint in DIR/checkpoints" (or no such step).
+  """
+  workdir = epath.Path(workdir)
+  run_config = run_config or config_lib.load_run_config(workdir)
+  mesh = _eval_mesh(run_config)
+  rules = sharding.axis_rules(run_config.mesh)
+  make = lambda: model_lib.make_model(run_config.model, rngs=nnx.Rngs(0))  # noqa: E731
+  graphdef, abstract = sharding.abstract_state(make, mesh, rules)
+  state, step = _restore_model_state(workdir, step, abstract)
+  return nnx.merge(graphdef, state), step
+
+
+# ---- init_from: parameters of another run or of a Hugging Face RoFormer ----
+
+
+def _is_hf_dir(path: epath.Path) -> bool:
+  return (path / "config.json").exists() and any(path.glob("*.safetensors"))
+
+
+def _run_workdir(path: epath.Path) -> tuple[epath.Path, int | None] | None:
+  """(workdir, step) if `path` is a run's workdir, its checkpoints/ or one checkpoint in it."""
+  if (path / CHECKPOINT_DIR).exists():
+    return path, None
+  if path.name == CHECKPOINT_DIR:
+    return path.parent, None
+  if path.parent.name == CHECKPOINT_DIR and path.name.isdigit():
+    return path.parent.parent, int(path.name)
+  return None
+
+
+def _place_like(source: Any, target: Any, origin: str) -> Any:
+  """`source`'s arrays (matched by path) placed with the dtypes and shardings of `target`."""
+  source_leaves = {
+    jax.tree_util.keystr(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(source)
+  }
+  target_leaves, treedef = jax.tree_util.tree_flatten_with_path(target)
+  problems, placed = [], []
+  for path, abstract in target_leaves:
+    name = jax.tree_util.keystr(path)
+    value = source_leaves.get(name)
+    if value is None:
+      problems.append(f"{name} missing")
+    elif tuple(np.shape(value)) != tuple(abstract.shape):
+      problems.append(
+        f"{name} has shape {tuple(np.shape(value))}, this model needs {abstract.shape}"
+      )
+    else:
+      placed.append(jax.device_put(np.asarray(value, dtype=abstract.dtype), abstract.sharding))
+  if problems:
+    shown = "; ".join(problems[:5]) + ("; ..." if len(problems) > 5 else "")
+    raise ConfigError(
+      f"train.init_from={origin}: its parameters do not fit this model's config ({shown})"
+    )
+  return jax.tree_util.tree_unflatten(treedef, placed)
+
+
+def load_init_state(init_from: str, abstract_model: Any) -> Any:
+  """Model state from train.init_from, placed with the shardings of `abstract_model`.
+
+  Args:
+    init_from: another run's workdir (or its checkpoints/ dir, or one checkpoint step dir), or a
+      Hugging Face RoFormerForMaskedLM directory (config.json + model.safetensors).
+    abstract_model: nnx state of jax.ShapeDtypeStruct (with shardings) of this run's model.
+
+  Raises:
+    ConfigError naming train.init_from when the path is not usable or the shapes differ.
+  """
+  path = epath.Path(init_from)
+  if not path.exists():
+    raise ConfigError(f"train.init_from={init_from}: no such directory")
+  run = _run_workdir(path)
+  if run is not None:
+    workdir, step = run
+    try:
+      state, step = _restore_model_state(workdir, step, abstract_model)
+    except CheckpointNotFoundError as e:
+      raise ConfigError(f"train.init_from={init_from}: {e}") from e
+    except (ValueError, KeyError) as e:
+      raise ConfigError(
+        f"train.init_from={init_from}: its checkpoint does not fit this model's config ({e})"
+      ) from e
+    logging.info("Initialised parameters from %s (step %d).", workdir, step)
+    return state
+  if _is_hf_dir(path):
+    from roformer import hf
+
+    loaded = hf.load_hf_roformer(str(path))
+    state = _place_like(nnx.state(loaded.model), abstract_model, init_from)
+    logging.info("Initialised parameters from the Hugging Face RoFormer in %s.", path)
+    return state
+  raise ConfigError(
+    f"train.init_from={init_from}: expected a training workdir (with {CHECKPOINT_DIR}/) or a "
+    "Hugging Face RoFormer directory (config.json + *.safetensors)"
+  )
+
+
+# ---- Preemption ----
+
+
+class PreemptionWatcher:
+  """Turns SIGTERM (a TPU preemption, `kill`) into a flag the loop reads at step boundaries."""
+
+  def __init__(self):
+    self._event = threading.Event()
+    self._previous = None
+
+  def __enter__(self):
+    if threading.current_thread() is threading.main_thread():
+      self._previous = signal.signal(signal.SIGTERM, self._handle)
+    return self
+
+  def __exit__(self, *exc):
+    if self._previous is not None:
+      signal.signal(signal.SIGTERM, self._previous)
+    return False
+
+  def _handle(self, signum, frame):
+    del signum, frame
+    self._event.set()
+
+  def requested(self) -> bool:
+    return self._event.is_set()

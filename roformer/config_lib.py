@@ -1,0 +1,410 @@
+"""The config boundary: a ConfigDict (or config.json) becomes frozen dataclasses, checked once.
+
+Every bad value raises ConfigError naming the field and the allowed values, before any compiling.
+"""
+
+import dataclasses
+import json
+import math
+import typing
+from collections.abc import Mapping
+from typing import Any
+
+from etils import epath
+
+from roformer import model as model_lib
+from roformer.data.config import SOURCES, TOKENIZERS, DataConfig
+from roformer.model import ModelConfig
+from roformer.posenc_config import PosEncConfig, RopeScaling
+
+SCHEDULES = ("cosine", "linear", "constant")
+MESH_AXES = ("data", "fsdp", "tensor")
+# Fields a rerun in an existing workdir may change; any other difference is an error.
+RESUMABLE_FIELDS = (
+  "train.num_train_steps",
+  "train.log_every_steps",
+  "train.eval_every_steps",
+  "train.checkpoint_every_steps",
+)
+CONFIG_FILE = "config.json"
+
+
+class ConfigError(ValueError):
+  """A configuration value is missing, misspelt, of the wrong type or out of range."""
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+  learning_rate: float = 3e-4
+  schedule: str = "cosine"  # cosine | linear | constant
+  warmup_steps: int = 1000
+  final_learning_rate_fraction: float = 0.1  # end of the decay, as a fraction of the peak
+  weight_decay: float = 0.1  # never applied to 1-D parameters (norms, biases)
+  b1: float = 0.9
+  b2: float = 0.95
+  eps: float = 1e-8
+  grad_clip_norm: float = 1.0  # 0 = no clipping
+  grad_accum_steps: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  global_batch_size: int = 64
+  num_train_steps: int = 100_000
+  seed: int = 0
+  log_every_steps: int = 100
+  eval_every_steps: int = 2000  # 0 = only at the end
+  eval_max_tokens: int = 65_536  # 0 = no evaluation
+  eval_batch_size: int = 0  # 0 = global_batch_size
+  checkpoint_every_steps: int = 2000  # 0 = only at the end
+  keep_checkpoints: int = 3
+  init_from: str = ""  # another run's workdir or a Hugging Face RoFormer directory
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  data: int = -1  # -1 = the remaining devices
+  fsdp: int = 1
+  tensor: int = 1
+  # ((logical axis, mesh axis | tuple of mesh axes | None), ...)
+  rules: tuple = (
+    ("batch", ("data", "fsdp")),
+    ("embed", "fsdp"),
+    ("mlp", "tensor"),
+    ("heads", "tensor"),
+    ("kv", None),
+    ("vocab", "tensor"),
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+  model: ModelConfig
+  data: DataConfig
+  optim: OptimConfig
+  train: TrainConfig
+  mesh: MeshConfig
+
+
+# ---- Building typed dataclasses from plain values ----
+
+
+def _to_plain(config: Any) -> dict:
+  """A ConfigDict or mapping as nested plain dicts."""
+  if hasattr(config, "to_dict"):
+    config = config.to_dict()
+  if not isinstance(config, Mapping):
+    raise ConfigError(f"expected a config mapping, got {type(config).__name__}")
+  return {
+    k: _to_plain(v) if isinstance(v, Mapping) or hasattr(v, "to_dict") else v
+    for k, v in config.items()
+  }
+
+
+def _coerce(value: Any, typ: Any, name: str) -> Any:
+  """Checks `value` against a scalar field type (float accepts int); returns it typed."""
+  if typ is bool:
+    if not isinstance(value, bool):
+      raise ConfigError(f"{name} must be a bool (True or False), got {value!r}")
+    return value
+  if typ is int:
+    if isinstance(value, bool) or not isinstance(value, int):
+      raise ConfigError(f"{name} must be an integer, got {value!r}")
+    return value
+  if typ is float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+      raise ConfigError(f"{name} must be a number, got {value!r}")
+    return float(value)
+  if typ is str:
+    if not isinstance(value, str):
+      raise ConfigError(f"{name} must be a string, got {value!r}")
+    return value
+  return value
+
+
+def _build(cls: type, values: Mapping, prefix: str, **nested: Any) -> Any:
+  """Builds dataclass `cls` from `values`; unknown or mistyped fields are errors naming them."""
+  if not isinstance(values, Mapping):
+    raise ConfigError(f"{prefix} must be a group of fields, got {values!r}")
+  hints = typing.get_type_hints(cls)
+  known = [f.name for f in dataclasses.fields(cls)]
+  unknown = sorted(set(values) - set(known) - set(nested))
+  if unknown:
+    names = ", ".join(f"{prefix}.{k}" for k in unknown)
+    raise ConfigError(
+      f"unknown config field {names}; {prefix} has: "
+      + ", ".join(k for k in known if k not in nested)
+    )
+  kwargs = {}
+  for key, value in values.items():
+    if key in nested:
+      continue
+    kwargs[key] = _coerce(value, hints[key], f"{prefix}.{key}")
+  kwargs.update(nested)
+  return cls(**kwargs)
+
+
+def _rules(value: Any) -> tuple:
+  """Normalises mesh.rules (lists from JSON become tuples) and checks every entry."""
+  allowed = f"a mesh axis name ({', '.join(MESH_AXES)}), a tuple of them, or None"
+  if not isinstance(value, list | tuple):
+    raise ConfigError(
+      f"mesh.rules must be a tuple of (logical axis, mesh axes) pairs, got {value!r}"
+    )
+  rules = []
+  for rule in value:
+    if not (isinstance(rule, list | tuple) and len(rule) == 2 and isinstance(rule[0], str)):
+      raise ConfigError(f"mesh.rules entry {rule!r} must be a pair (logical axis name, mesh axes)")
+    logical, axes = rule
+    if isinstance(axes, list | tuple):
+      axes = tuple(axes)
+      bad = [a for a in axes if a not in MESH_AXES]
+    else:
+      bad = [] if axes is None or axes in MESH_AXES else [axes]
+    if bad:
+      raise ConfigError(f"mesh.rules entry {rule!r}: mesh axes must be {allowed}, got {bad[0]!r}")
+    rules.append((logical, axes))
+  return tuple(rules)
+
+
+# ---- Value checks (the model's own are in roformer.model.validate_model) ----
+
+
+def _check(ok: bool, message: str) -> None:
+  if not ok:
+    raise ConfigError(message)
+
+
+def _validate_data(data: DataConfig) -> None:
+  _check(
+    data.source in SOURCES, f"data.source must be one of {', '.join(SOURCES)}, got {data.source!r}"
+  )
+  _check(
+    data.tokenizer in TOKENIZERS or data.tokenizer.endswith(".json"),
+    f"data.tokenizer must be one of {', '.join(TOKENIZERS)} or a path to a tokenizer.json, "
+    f"got {data.tokenizer!r}",
+  )
+  _check(
+    data.source != "files" or bool(data.files),
+    "data.files must be a glob when data.source is 'files'",
+  )
+  _check(
+    data.source != "hub" or bool(data.hub_name),
+    "data.hub_name is required when data.source is 'hub'",
+  )
+  _check(data.seq_len >= 1, f"data.seq_len must be >= 1, got {data.seq_len}")
+  _check(data.vocab_size >= 1, f"data.vocab_size must be >= 1, got {data.vocab_size}")
+  _check(
+    0.0 <= data.validation_fraction < 1.0,
+    f"data.validation_fraction must be in [0, 1), got {data.validation_fraction}",
+  )
+  _check(
+    0.0 < data.mlm_probability < 1.0,
+    f"data.mlm_probability must be in (0, 1), got {data.mlm_probability}",
+  )
+
+
+def _validate_optim(optim: OptimConfig) -> None:
+  _check(
+    optim.schedule in SCHEDULES,
+    f"optim.schedule must be one of {', '.join(SCHEDULES)}, got {optim.schedule!r}",
+  )
+  _check(optim.learning_rate >= 0.0, f"optim.learning_rate must be >= 0, got {optim.learning_rate}")
+  _check(optim.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {optim.warmup_steps}")
+  _check(
+    0.0 <= optim.final_learning_rate_fraction <= 1.0,
+    "optim.final_learning_rate_fraction must be in [0, 1], "
+    f"got {optim.final_learning_rate_fraction}",
+  )
+  _check(optim.weight_decay >= 0.0, f"optim.weight_decay must be >= 0, got {optim.weight_decay}")
+  _check(0.0 <= optim.b1 < 1.0, f"optim.b1 must be in [0, 1), got {optim.b1}")
+  _check(0.0 <= optim.b2 < 1.0, f"optim.b2 must be in [0, 1), got {optim.b2}")
+  _check(optim.eps > 0.0, f"optim.eps must be > 0, got {optim.eps}")
+  _check(
+    optim.grad_clip_norm >= 0.0,
+    f"optim.grad_clip_norm must be >= 0 (0 = off), got {optim.grad_clip_norm}",
+  )
+  _check(
+    optim.grad_accum_steps >= 1,
+    f"optim.grad_accum_steps must be >= 1, got {optim.grad_accum_steps}",
+  )
+
+
+def _validate_train(train: TrainConfig, optim: OptimConfig) -> None:
+  for name in ("global_batch_size", "log_every_steps", "keep_checkpoints"):
+    value = getattr(train, name)
+    _check(value >= 1, f"train.{name} must be >= 1, got {value}")
+  for name in (
+    "num_train_steps",
+    "eval_every_steps",
+    "eval_max_tokens",
+    "eval_batch_size",
+    "checkpoint_every_steps",
+    "seed",
+  ):
+    value = getattr(train, name)
+    _check(value >= 0, f"train.{name} must be >= 0, got {value}")
+  _check(
+    train.global_batch_size % optim.grad_accum_steps == 0,
+    f"train.global_batch_size ({train.global_batch_size}) must be divisible by "
+    f"optim.grad_accum_steps ({optim.grad_accum_steps})",
+  )
+
+
+def _validate_mesh(mesh: MeshConfig) -> None:
+  sizes = {name: getattr(mesh, name) for name in MESH_AXES}
+  for name, size in sizes.items():
+    _check(
+      size == -1 or size >= 1, f"mesh.{name} must be -1 (the remaining devices) or >= 1, got {size}"
+    )
+  _check(
+    list(sizes.values()).count(-1) <= 1,
+    "at most one of mesh.data, mesh.fsdp, mesh.tensor may be -1",
+  )
+
+
+def _validate_model(model: ModelConfig, seq_len: int) -> None:
+  """The model's own checks (heads, posenc, lengths, ...), as ConfigError."""
+  try:
+    model_lib.validate_model(model, seq_len=seq_len)
+  except ConfigError:
+    raise
+  except ValueError as e:
+    raise ConfigError(str(e)) from e
+
+
+def run_config_from_dict(config: Any, *, vocab_size: int | None = None) -> RunConfig:
+  """Validates a whole configuration and returns it as frozen dataclasses.
+
+  Args:
+    config: a ConfigDict (configs/*.py) or the equivalent nested mapping (e.g. DIR/config.json)
+      with groups model, posenc, data, optim, train, mesh.
+    vocab_size: the tokenizer's vocabulary size; None keeps `model.vocab_size` of the mapping if
+      present (config.json), else ModelConfig's default (only right for the bytes tokenizer).
+
+  Returns:
+    RunConfig, with posenc.scaling.original_max_len 0 replaced by data.seq_len.
+
+  Raises:
+    ConfigError (a ValueError) naming the field and the allowed values.
+  """
+  values = _to_plain(config)
+  groups = ("model", "posenc", "data", "optim", "train", "mesh")
+  unknown = sorted(set(values) - set(groups))
+  if unknown:
+    raise ConfigError(f"unknown config group {', '.join(unknown)}; groups are {', '.join(groups)}")
+  missing = [g for g in groups if g not in values]
+  if missing:
+    raise ConfigError(f"missing config group {', '.join(missing)}")
+
+  data = _build(DataConfig, values["data"], "data")
+  _validate_data(data)
+  posenc_values = dict(values["posenc"])
+  scaling_values = dict(posenc_values.get("scaling", {}))
+  scaling = _build(RopeScaling, scaling_values, "posenc.scaling")
+  if scaling.original_max_len == 0:
+    scaling = dataclasses.replace(scaling, original_max_len=data.seq_len)
+  posenc = _build(PosEncConfig, posenc_values, "posenc", scaling=scaling)
+  model_values = dict(values["model"])
+  if vocab_size is not None:
+    model_values["vocab_size"] = vocab_size
+  model = _build(ModelConfig, model_values, "model", posenc=posenc)
+  optim = _build(OptimConfig, values["optim"], "optim")
+  _validate_optim(optim)
+  train = _build(TrainConfig, values["train"], "train")
+  _validate_train(train, optim)
+  mesh_values = dict(values["mesh"])
+  rules = _rules(mesh_values.get("rules", MeshConfig.rules))
+  mesh = _build(MeshConfig, mesh_values, "mesh", rules=rules)
+  _validate_mesh(mesh)
+  _validate_model(model, data.seq_len)
+  return RunConfig(model=model, data=data, optim=optim, train=train, mesh=mesh)
+
+
+# ---- config.json and the resume rule ----
+
+
+def to_dict(run_config: RunConfig) -> dict:
+  """The resolved config as plain JSON-able groups (the layout of configs/default.py)."""
+  model = dataclasses.asdict(run_config.model)
+  posenc = model.pop("posenc")
+  return {
+    "model": model,
+    "posenc": posenc,
+    "data": dataclasses.asdict(run_config.data),
+    "optim": dataclasses.asdict(run_config.optim),
+    "train": dataclasses.asdict(run_config.train),
+    "mesh": json.loads(json.dumps(dataclasses.asdict(run_config.mesh))),
+  }
+
+
+def _flatten(tree: Mapping, prefix: str = "") -> dict:
+  flat = {}
+  for key, value in tree.items():
+    name = f"{prefix}{key}"
+    if isinstance(value, Mapping):
+      flat.update(_flatten(value, name + "."))
+    else:
+      flat[name] = value
+  return flat
+
+
+def _same(a: Any, b: Any) -> bool:
+  if isinstance(a, float) or isinstance(b, float):
+    try:
+      return math.isclose(float(a), float(b), rel_tol=1e-12, abs_tol=0.0) or a == b
+    except (TypeError, ValueError):
+      return False
+  return json.loads(json.dumps(a)) == json.loads(json.dumps(b))
+
+
+def changed_fields(old: Mapping, new: Mapping) -> list[str]:
+  """Dotted names of fields that differ between two to_dict() layouts (model.vocab_size aside)."""
+  flat_old, flat_new = _flatten(old), _flatten(new)
+  names = sorted(set(flat_old) | set(flat_new))
+  ignore = {"model.vocab_size"}
+  missing = object()
+  return [
+    n
+    for n in names
+    if n not in ignore and not _same(flat_old.get(n, missing), flat_new.get(n, missing))
+  ]
+
+
+def check_resume(old: Mapping, new: RunConfig) -> None:
+  """Raises ConfigError if `new` differs from DIR/config.json beyond RESUMABLE_FIELDS."""
+  changed = [n for n in changed_fields(old, to_dict(new)) if n not in RESUMABLE_FIELDS]
+  if changed:
+    flat_old, flat_new = _flatten(old), _flatten(to_dict(new))
+    details = "; ".join(f"{n}: {flat_old.get(n)!r} -> {flat_new.get(n)!r}" for n in changed)
+    raise ConfigError(
+      f"this workdir holds a run with a different config ({details}). A rerun may only change "
+      f"{', '.join(RESUMABLE_FIELDS)}; use a new --workdir for a different experiment"
+    )
+
+
+def read_config_json(workdir: str | epath.Path) -> dict | None:
+  """DIR/config.json as a dict, or None when the workdir has none."""
+  path = epath.Path(workdir) / CONFIG_FILE
+  if not path.exists():
+    return None
+  return json.loads(path.read_text())
+
+
+def write_config_json(workdir: str | epath.Path, run_config: RunConfig) -> None:
+  path = epath.Path(workdir)
+  path.mkdir(parents=True, exist_ok=True)
+  (path / CONFIG_FILE).write_text(json.dumps(to_dict(run_config), indent=2) + "\n")
+
+
+def load_run_config(workdir: str | epath.Path) -> RunConfig:
+  """The resolved RunConfig a run wrote to DIR/config.json (vocab_size included)."""
+  values = read_config_json(workdir)
+  if values is None:
+    raise FileNotFoundError(f"no {CONFIG_FILE} in {workdir}: is it a training workdir?")
+  return run_config_from_dict(values)
+
+
+def describe(run_config: RunConfig) -> str:
+  """The resolved config as indented JSON, for the startup log."""
+  return json.dumps(to_dict(run_config), indent=2)

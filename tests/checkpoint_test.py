@@ -1,0 +1,121 @@
+"""Tests of checkpoint saving, restoring (sharded targets), restore_model and init_from paths."""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from configs import default
+from roformer import checkpoint, config_lib, sharding, train_lib
+
+
+def _tiny_run_config():
+  config = default.get_config()
+  config.model.num_layers = 1
+  config.model.emb_dim = 16
+  config.model.num_heads = 2
+  config.model.mlp_dim = 32
+  config.model.attention_impl = "dense"
+  config.data.seq_len = 16
+  return config_lib.run_config_from_dict(config)
+
+
+def _leaves(state):
+  return [np.asarray(x) for x in jax.tree.leaves(state)]
+
+
+@pytest.fixture(scope="module")
+def train_state():
+  rc = _tiny_run_config()
+  mesh = sharding.make_mesh(rc.mesh)
+  tx = train_lib.make_optimizer(rc.optim, 10)
+  return rc, mesh, tx, train_lib.create_train_state(rc, tx, mesh, rc.mesh.rules)
+
+
+def test_checkpoint_round_trip_restores_every_array_with_its_sharding(tmp_path, train_state):
+  rc, mesh, tx, (model_def, model_state, opt_def, opt_state) = train_state
+  # Make the optimizer state non-trivial so a restore of zeros would be caught.
+  opt_state = jax.tree.map(lambda x: x + 1 if x.dtype == np.float32 else x, opt_state)
+  manager = checkpoint.make_manager(tmp_path, keep=2)
+  checkpoint.save(manager, 7, model_state, opt_state, {"step": 7, "data": {"next_batch": 7}})
+  manager.wait_until_finished()
+  assert manager.latest_step() == 7
+  _, model_abs, _, opt_abs = train_lib.abstract_train_state(rc, tx, mesh, rc.mesh.rules)
+  model_back, opt_back, meta = checkpoint.restore(manager, 7, model_abs, opt_abs)
+  manager.close()
+  assert meta == {"step": 7, "data": {"next_batch": 7}}
+  for a, b in zip(
+    _leaves(model_state) + _leaves(opt_state), _leaves(model_back) + _leaves(opt_back), strict=True
+  ):
+    np.testing.assert_array_equal(a, b)
+  for a, b in zip(jax.tree.leaves(model_state), jax.tree.leaves(model_back), strict=True):
+    assert a.sharding.is_equivalent_to(b.sharding, a.ndim)
+
+
+def test_manager_keeps_only_the_latest_checkpoints(tmp_path, train_state):
+  _, _, _, (_, model_state, _, opt_state) = train_state
+  manager = checkpoint.make_manager(tmp_path, keep=2)
+  for step in (1, 2, 3):
+    checkpoint.save(manager, step, model_state, opt_state, {"step": step})
+  manager.wait_until_finished()
+  assert manager.all_steps() == [2, 3]
+  manager.close()
+
+
+def test_restore_model_returns_the_saved_parameters(tmp_path, train_state):
+  rc, _, _, (model_def, model_state, _, opt_state) = train_state
+  config_lib.write_config_json(tmp_path, rc)
+  manager = checkpoint.make_manager(tmp_path)
+  checkpoint.save(manager, 3, model_state, opt_state, {"step": 3})
+  manager.wait_until_finished()
+  manager.close()
+  model, step = checkpoint.restore_model(tmp_path)
+  assert step == 3
+  for a, b in zip(_leaves(model_state), _leaves(nnx.state(model)), strict=True):
+    np.testing.assert_array_equal(a, b)
+  with pytest.raises(checkpoint.CheckpointNotFoundError, match="no checkpoint of step 5"):
+    checkpoint.restore_model(tmp_path, step=5)
+
+
+def test_restore_model_without_checkpoint_names_the_directory(tmp_path):
+  config_lib.write_config_json(tmp_path, _tiny_run_config())
+  with pytest.raises(checkpoint.CheckpointNotFoundError, match="no checkpoint in .*checkpoints"):
+    checkpoint.restore_model(tmp_path)
+
+
+def test_init_from_rejects_a_directory_that_is_no_run(tmp_path, train_state):
+  _, _, _, (_, model_state, _, _) = train_state
+  abstract = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), model_state
+  )
+  with pytest.raises(config_lib.ConfigError, match="train.init_from"):
+    checkpoint.load_init_state(str(tmp_path), abstract)
+  with pytest.raises(config_lib.ConfigError, match="no such directory"):
+    checkpoint.load_init_state(str(tmp_path / "missing"), abstract)
+
+
+def test_preemption_watcher_turns_sigterm_into_a_flag():
+  import os
+  import signal
+
+  with checkpoint.PreemptionWatcher() as watcher:
+    assert not watcher.requested()
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert watcher.requested()
+  assert signal.getsignal(signal.SIGTERM) is not watcher._handle
+
+
+@pytest.mark.parametrize("suffix", ["", "checkpoints", "checkpoints/4"])
+def test_init_from_a_run_loads_its_parameters(tmp_path, train_state, suffix):
+  rc, _, _, (_, model_state, _, opt_state) = train_state
+  config_lib.write_config_json(tmp_path, rc)
+  manager = checkpoint.make_manager(tmp_path)
+  checkpoint.save(manager, 4, model_state, opt_state, {"step": 4})
+  manager.wait_until_finished()
+  manager.close()
+  abstract = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), model_state
+  )
+  state = checkpoint.load_init_state(str(tmp_path / suffix), abstract)
+  for a, b in zip(_leaves(model_state), _leaves(state), strict=True):
+    np.testing.assert_array_equal(a, b)

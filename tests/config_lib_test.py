@@ -1,0 +1,169 @@
+"""Tests of the config boundary: configs/*.py, validation, config.json and the resume rule."""
+
+import dataclasses
+import importlib
+import re
+from pathlib import Path
+
+import pytest
+
+from configs import default
+from roformer import config_lib
+from roformer.config_lib import ConfigError
+from roformer.data.config import DataConfig
+from roformer.model import ModelConfig
+from roformer.posenc_config import PosEncConfig, RopeScaling
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _names(cls, *, skip=()) -> set[str]:
+  return {f.name for f in dataclasses.fields(cls)} - set(skip)
+
+
+def _config_dict(**overrides):
+  config = default.get_config()
+  for name, value in overrides.items():
+    group, _, field = name.replace("__", ".").rpartition(".")
+    node = config
+    for part in group.split("."):
+      node = node[part]
+    node[field] = value
+  return config
+
+
+@pytest.mark.parametrize(
+  "group, cls, skip",
+  [
+    ("model", ModelConfig, ("vocab_size", "posenc")),
+    ("posenc", PosEncConfig, ("scaling",)),
+    ("posenc.scaling", RopeScaling, ()),
+    ("data", DataConfig, ()),
+    ("optim", config_lib.OptimConfig, ()),
+    ("train", config_lib.TrainConfig, ()),
+    ("mesh", config_lib.MeshConfig, ()),
+  ],
+)
+def test_default_config_fields_match_dataclasses(group, cls, skip):
+  node = default.get_config()
+  for part in group.split("."):
+    node = node[part]
+  fields = {k for k, v in node.items() if not hasattr(v, "keys")}
+  assert fields == _names(cls, skip=skip)
+
+
+def test_default_config_every_field_has_comment_and_typed_default():
+  lines = (REPO / "configs" / "default.py").read_text().splitlines()
+  assignments = 0
+  for i, line in enumerate(lines):
+    if re.match(r"^\s+(model|posenc|scaling|data|optim|train|mesh)\.\w+ = ", line):
+      assignments += 1
+      assert lines[i - 1].strip().startswith("#"), f"no comment above: {line.strip()}"
+      assert not line.rstrip().endswith("= None"), f"None default: {line.strip()}"
+  assert assignments > 60
+
+
+@pytest.mark.parametrize("name", ["default", "lm", "mlm", "quickstart"])
+def test_config_files_are_locked_and_valid(name):
+  config = importlib.import_module(f"configs.{name}").get_config()
+  with pytest.raises(AttributeError):
+    config.model.num_layerz = 3
+  run_config = config_lib.run_config_from_dict(config)
+  assert run_config.model.posenc.scaling.original_max_len == run_config.data.seq_len
+
+
+def test_mlm_config_is_post_ln_encoder():
+  from configs import mlm
+
+  run_config = config_lib.run_config_from_dict(mlm.get_config())
+  assert run_config.model.kind == "encoder" and not run_config.model.pre_norm
+
+
+def test_run_config_resolves_original_max_len_only_when_zero():
+  config = _config_dict(**{"data.seq_len": 128, "posenc.scaling.kind": "yarn"})
+  assert config_lib.run_config_from_dict(config).model.posenc.scaling.original_max_len == 128
+  config.posenc.scaling.original_max_len = 64
+  assert config_lib.run_config_from_dict(config).model.posenc.scaling.original_max_len == 64
+
+
+def test_run_config_vocab_size_comes_from_argument():
+  run_config = config_lib.run_config_from_dict(default.get_config(), vocab_size=1234)
+  assert run_config.model.vocab_size == 1234
+
+
+def test_run_config_rejects_unknown_field_naming_it():
+  values = config_lib.to_dict(config_lib.run_config_from_dict(default.get_config()))
+  values["train"]["num_train_stepz"] = 5
+  with pytest.raises(ConfigError, match=r"train\.num_train_stepz"):
+    config_lib.run_config_from_dict(values)
+
+
+@pytest.mark.parametrize(
+  "overrides, field",
+  [
+    ({"posenc.kind": "rotary"}, "posenc.kind"),
+    ({"posenc.kind": "learned", "posenc.max_len": 256, "data.seq_len": 512}, "posenc.max_len"),
+    ({"model.num_heads": 8, "model.num_kv_heads": 3}, "model.num_kv_heads"),
+    ({"model.kind": "encoder", "posenc.kind": "xpos"}, "xpos"),
+    ({"model.emb_dim": 120, "model.num_heads": 8}, "head_dim"),
+    ({"model.kind": "transformer"}, "model.kind"),
+    ({"posenc.scaling.kind": "magic"}, "posenc.scaling.kind"),
+    ({"optim.schedule": "exponential"}, "optim.schedule"),
+    ({"optim.grad_accum_steps": 3}, "optim.grad_accum_steps"),
+    ({"train.log_every_steps": 0}, "train.log_every_steps"),
+    ({"mesh.data": 0}, "mesh.data"),
+    ({"mesh.data": -1, "mesh.fsdp": -1}, "mesh"),
+    ({"mesh.rules": (("batch", "pipeline"),)}, "mesh.rules"),
+    ({"data.source": "web"}, "data.source"),
+    ({"data.seq_len": 0}, "data.seq_len"),
+  ],
+)
+def test_run_config_rejects_bad_value_naming_field(overrides, field):
+  with pytest.raises(ConfigError, match=re.escape(field)):
+    config_lib.run_config_from_dict(_config_dict(**overrides))
+
+
+def test_run_config_rejects_wrong_type_naming_field():
+  values = config_lib.to_dict(config_lib.run_config_from_dict(default.get_config()))
+  values["model"]["num_layers"] = "6"
+  with pytest.raises(ConfigError, match=r"model\.num_layers must be an integer"):
+    config_lib.run_config_from_dict(values)
+
+
+def test_config_json_round_trips(tmp_path):
+  run_config = config_lib.run_config_from_dict(default.get_config(), vocab_size=300)
+  config_lib.write_config_json(tmp_path, run_config)
+  assert config_lib.load_run_config(tmp_path) == run_config
+  assert config_lib.load_run_config(tmp_path).mesh.rules == run_config.mesh.rules
+
+
+def test_load_run_config_without_config_json_raises(tmp_path):
+  with pytest.raises(FileNotFoundError, match="config.json"):
+    config_lib.load_run_config(tmp_path)
+
+
+def test_check_resume_allows_steps_and_frequencies():
+  old = config_lib.to_dict(config_lib.run_config_from_dict(default.get_config(), vocab_size=259))
+  new = config_lib.run_config_from_dict(
+    _config_dict(
+      **{
+        "train.num_train_steps": 7,
+        "train.log_every_steps": 3,
+        "train.eval_every_steps": 5,
+        "train.checkpoint_every_steps": 11,
+      }
+    )
+  )
+  config_lib.check_resume(old, new)
+
+
+def test_check_resume_names_every_changed_field():
+  old = config_lib.to_dict(config_lib.run_config_from_dict(default.get_config()))
+  new = config_lib.run_config_from_dict(
+    _config_dict(**{"optim.learning_rate": 1e-2, "posenc.kind": "alibi", "train.seed": 3})
+  )
+  with pytest.raises(ConfigError) as error:
+    config_lib.check_resume(old, new)
+  for field in ("optim.learning_rate", "posenc.kind", "train.seed"):
+    assert field in str(error.value)
+  assert "train.num_train_steps" in str(error.value)  # it says what may change

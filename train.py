@@ -1,0 +1,89 @@
+"""Trains a RoFormer-JAX model: `python train.py --config=configs/lm.py --workdir=DIR`.
+
+This file is intentionally kept short. The logic lives in roformer/train_lib.py.
+"""
+
+import os
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+FLAGS = flags.FLAGS
+config_flags.DEFINE_config_file("config", None, "Training config file.", lock_config=True)
+flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics, config.json).")
+flags.DEFINE_string(
+  "coordinator_address",
+  os.environ.get("JAX_COORDINATOR_ADDRESS", ""),
+  "HOST:PORT of process 0, for several processes (default $JAX_COORDINATOR_ADDRESS).",
+)
+flags.DEFINE_integer(
+  "num_processes", int(os.environ.get("JAX_NUM_PROCESSES", "0")), "Number of processes."
+)
+flags.DEFINE_integer("process_id", int(os.environ.get("JAX_PROCESS_ID", "-1")), "This process.")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def _error(message: str) -> None:
+  print(f"train.py: error: {message}", file=sys.stderr)
+  sys.exit(1)
+
+
+def _parse_flags(argv):
+  """absl's flag parsing, with one clear line (no traceback) for a misspelt or mistyped field."""
+  try:
+    return FLAGS(argv)
+  except flags.Error as e:
+    _error(str(e))
+  except (AttributeError, KeyError, TypeError, ValueError) as e:  # raised by ml_collections
+    text = " ".join(str(e).replace("\\n", " ").replace("\\'", "'").split()).strip("'\"")
+    overrides = [a.split("=")[0][2:] for a in argv[1:] if a.startswith("--config.")]
+    if isinstance(e, AttributeError | KeyError):  # the message starts with the unknown name
+      missing = text.split()[0].strip("'\"") if text else ""
+      culprit = next((o for o in overrides if o.rsplit(".", 1)[-1] == missing), "config")
+      hint = text[text.find("Did you mean") :].rstrip("'\"") if "Did you mean" in text else ""
+      _error(
+        f"{culprit.removeprefix('config.')} is not a config field" + (f"; {hint}" if hint else "")
+      )
+    culprit = next((o for o in overrides if o.rsplit(".", 1)[-1] in text), "config")
+    _error(f"--{culprit}: {text}")
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  import jax
+
+  if FLAGS.coordinator_address:
+    # CPU processes exchange collectives over gloo; TPU and GPU use their own.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+      coordinator_address=FLAGS.coordinator_address,
+      num_processes=FLAGS.num_processes or None,
+      process_id=FLAGS.process_id if FLAGS.process_id >= 0 else None,
+    )
+  elif "," in os.environ.get("TPU_WORKER_HOSTNAMES", ""):
+    jax.distributed.initialize()  # a TPU pod slice: JAX finds its peers itself
+
+  from roformer import checkpoint, config_lib, metrics_log, train_lib
+
+  metrics_log.quiet_library_logs()
+  if jax.process_index() != 0:
+    logging.set_verbosity(logging.WARNING)  # process 0 speaks for all
+
+  logging.info(
+    "JAX process %d/%d, devices: %s", jax.process_index(), jax.process_count(), jax.devices()
+  )
+  try:
+    train_lib.train_and_evaluate(FLAGS.config, FLAGS.workdir)
+  except (
+    config_lib.ConfigError,
+    train_lib.NonFiniteLossError,
+    checkpoint.CheckpointNotFoundError,
+  ) as e:
+    print(f"train.py: error: {e}", file=sys.stderr)
+    sys.exit(1)
+
+
+if __name__ == "__main__":
+  app.run(main, flags_parser=_parse_flags)
