@@ -29,13 +29,29 @@ def default_lengths(seq_len: int) -> list[int]:
   return [seq_len * 2**i for i in range(5)]
 
 
-def output_name(out: str = "", rope_scaling: str = "none", rope_factor: float = 1.0) -> str:
-  """NAME of DIR/eval/NAME.json: `out`, else ppl_vs_length (+ _<scaling>_<factor> if scaled)."""
+def output_name(
+  out: str = "",
+  rope_scaling: str = "none",
+  rope_factor: float = 1.0,
+  *,
+  split: str = "validation",
+  data_files: str = "",
+) -> str:
+  """NAME of DIR/eval/NAME.json: `out`, else ppl_vs_length with a suffix per non-default choice.
+
+  Evaluating other text (`_files`), the test split (`_test`) or with a RoPE scaling
+  (`_<scaling>_<factor>`) never overwrites the plain validation result.
+  """
   if out:
     return out
+  name = DEFAULT_NAME
+  if data_files:
+    name += "_files"
+  elif split != "validation":
+    name += f"_{split}"
   if rope_scaling != "none":
-    return f"{DEFAULT_NAME}_{rope_scaling}_{rope_factor:g}"
-  return DEFAULT_NAME
+    name += f"_{rope_scaling}_{rope_factor:g}"
+  return name
 
 
 def eval_model_config(model_cfg, *, seq_len: int, rope_scaling: str = "none", rope_factor=1.0):
@@ -265,7 +281,7 @@ def evaluate_workdir(
     "records": records,
     "per_position": per_position,
   }
-  name = output_name(out, rope_scaling, rope_factor)
+  name = output_name(out, rope_scaling, rope_factor, split=split, data_files=data_files)
   json_path = write_result(result, workdir / "eval" / f"{name}.json")
   png_path = eval_plot.plot_runs(
     [(eval_plot.run_label(workdir.name, result), result, seq_len)],
