@@ -24,11 +24,11 @@ PROTOCOL_STYLES = {
 
 def run_label(name: str, result: dict) -> str:
   """Legend label of one run: its name, encoding and any RoPE scaling applied at evaluation."""
-  label = f"{name} ({result.get('posenc', '?')}"
+  details = [] if result.get("posenc") == name else [str(result.get("posenc", "?"))]
   scaling = result.get("rope_scaling")
   if scaling:
-    label += f", {scaling['kind']} x{scaling['factor']:g}"
-  return label + ")"
+    details.append(f"{scaling['kind']} x{scaling['factor']:g}")
+  return f"{name} ({', '.join(details)})" if details else name
 
 
 def plot_runs(runs: Sequence[tuple[str, dict, int]], path, *, title: str = "") -> epath.Path:
@@ -92,7 +92,9 @@ def plot_runs(runs: Sequence[tuple[str, dict, int]], path, *, title: str = "") -
   if ppls and max(ppls) > 4 * min(ppls):
     # Extrapolation failures blow up by orders of magnitude; a log axis keeps the rest readable.
     ax_len.set_yscale("log")
-    ax_len.yaxis.set_minor_formatter(ticker.NullFormatter())
+    # Label minor ticks at 2x and 5x: a span under two decades otherwise shows one number.
+    ax_len.yaxis.set_minor_locator(ticker.LogLocator(base=10, subs=(2, 5)))
+    ax_len.yaxis.set_minor_formatter(ticker.FuncFormatter(lambda y, _: f"{y:g}"))
   ax_len.yaxis.set_major_formatter(ticker.FuncFormatter(lambda y, _: f"{y:g}"))
   ax_len.set_xlabel("context length (tokens, log2 scale)")
   ax_len.set_ylabel("perplexity")
