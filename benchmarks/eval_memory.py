@@ -46,8 +46,7 @@ def _child(length: int) -> dict:
   model = make_model(cfg, rngs=nnx.Rngs(0))
   # A prefix of `length` tokens, then `length` scored targets: exactly one window.
   tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, 2 * length + 1).astype(np.int32)
-  windows = eval_lib.make_windows(
-    tokens,
+  window_args = dict(
     model_kind="decoder",
     length=length,
     protocol="nonoverlapping",
@@ -55,6 +54,7 @@ def _child(length: int) -> dict:
     max_tokens=length,
     max_length=length,
   )
+  windows = eval_lib.make_windows(tokens, **window_args)
   graphdef, state = nnx.split(model)
   compiled = eval_lib.score_batch.lower(
     graphdef,
@@ -68,17 +68,7 @@ def _child(length: int) -> dict:
   analysis = compiled.memory_analysis()
   temp_mb = analysis.temp_size_in_bytes / 2**20 if analysis is not None else float("nan")
   start = time.perf_counter()
-  result = eval_lib.evaluate_at_length(
-    model,
-    tokens,
-    model_kind="decoder",
-    length=length,
-    protocol="nonoverlapping",
-    stride=length,
-    max_tokens=length,
-    max_length=length,
-    batch_size=1,
-  )
+  result = eval_lib.evaluate_at_length(model, tokens, **window_args, batch_size=1)
   seconds = time.perf_counter() - start
   jax.block_until_ready(state)
   return {"length": length, "loss": result["loss"], "seconds": seconds, "xla_temp_mb": temp_mb}

@@ -314,7 +314,6 @@ class Attention(nnx.Module):
         f"model.num_heads={num_heads} is not divisible by model.num_kv_heads={num_kv_heads}"
       )
     D, H, G, K = emb_dim, num_heads, num_kv_heads, head_dim
-    self.num_kv_heads = G
     self.causal = causal
     self.dropout_rate = dropout_rate
     self.impl = impl

@@ -373,9 +373,10 @@ def changed_fields(old: Mapping, new: Mapping) -> list[str]:
 
 def check_resume(old: Mapping, new: RunConfig) -> None:
   """Raises ConfigError if `new` differs from DIR/config.json beyond RESUMABLE_FIELDS."""
-  changed = [n for n in changed_fields(old, to_dict(new)) if n not in RESUMABLE_FIELDS]
+  new_values = to_dict(new)
+  changed = [n for n in changed_fields(old, new_values) if n not in RESUMABLE_FIELDS]
   if changed:
-    flat_old, flat_new = _flatten(old), _flatten(to_dict(new))
+    flat_old, flat_new = _flatten(old), _flatten(new_values)
     details = "; ".join(f"{n}: {flat_old.get(n)!r} -> {flat_new.get(n)!r}" for n in changed)
     raise ConfigError(
       f"this workdir holds a run with a different config ({details}). A rerun may only change "

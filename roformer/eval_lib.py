@@ -77,10 +77,14 @@ def make_windows(
   if protocol not in PROTOCOLS:
     raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
   tokens = np.asarray(tokens)
-  window_args = dict(
-    length=length, protocol=protocol, stride=stride, max_tokens=max_tokens, max_length=max_length
+  ew = data_lib.eval_windows(
+    tokens,
+    length=length,
+    protocol=protocol,
+    stride=stride,
+    max_tokens=max_tokens,
+    max_length=max_length,
   )
-  ew = data_lib.eval_windows(tokens, **window_args)
   if model_kind == "decoder":
     return Windows(
       inputs=np.asarray(ew.inputs, np.int32),
@@ -98,7 +102,7 @@ def make_windows(
   span_stop = int(index_NL.max()) + 1
   region_start = max(0, span_stop - ew.num_tokens - max_length)
   masked_1R, mask_weights_1R = data_lib.mlm_mask(
-    np.asarray(tokens[region_start:span_stop])[None, :],
+    tokens[None, region_start:span_stop],
     rng=np.random.default_rng(seed),
     tokenizer=tokenizer,
     mlm_probability=mlm_probability,

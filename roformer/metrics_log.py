@@ -95,6 +95,15 @@ def format_duration(seconds: float) -> str:
   return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{seconds:02d}s"
 
 
+# Scalars of the console line, in order, with their number formats.
+_CONSOLE_FORMATS = {
+  "train_loss": ".4f",
+  "train_accuracy": ".4f",
+  "learning_rate": ".3e",
+  "tokens_per_sec": ".0f",
+}
+
+
 class ConsoleLog:
   """The one-line progress report: loss, learning rate, throughput and time left."""
 
@@ -119,15 +128,8 @@ class ConsoleLog:
       return
     left = format_duration((self._num_train_steps - step) * seconds_per_step)
     parts = [f"step {step}/{self._num_train_steps}"]
-    for name in ("train_loss", "train_accuracy", "learning_rate", "tokens_per_sec"):
+    for name, spec in _CONSOLE_FORMATS.items():
       if name in scalars:
-        value = scalars[name]
-        parts.append(
-          f"{name} {value:.3e}"
-          if name == "learning_rate"
-          else f"{name} {value:.0f}"
-          if name == "tokens_per_sec"
-          else f"{name} {value:.4f}"
-        )
+        parts.append(f"{name} {scalars[name]:{spec}}")
     parts.append(f"{left} left")
     logging.info(", ".join(parts))

@@ -308,7 +308,6 @@ class Block(nnx.Module):
 
   def __call__(self, x_BLD, pos_BL, posenc, *, segment_ids_BL=None, dropout_key=None):
     """x [B, L, D] at positions [B, L] -> [B, L, D]; `dropout_key` None = no dropout."""
-
     q_BLHK, k_BLGK, v_BLGK = self.attn.qkv(self.attn_norm(x_BLD) if self.pre_norm else x_BLD)
     o_BLHK = self.attn.attend(
       q_BLHK,

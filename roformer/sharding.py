@@ -4,6 +4,7 @@ Parameters carry logical names ('vocab', 'embed', 'heads', 'kv', 'mlp'); `mesh.r
 'batch') to the mesh axes ('data', 'fsdp', 'tensor').
 """
 
+import functools
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -77,8 +78,12 @@ def logical_spec(logical_axes: tuple, rules: tuple) -> P:
   return P(*spec)
 
 
+@functools.cache
 def batch_sharding(mesh: Mesh, rules: tuple, ndim: int = 2) -> NamedSharding:
-  """Sharding of a [B, ...] batch: B over the mesh axes of the 'batch' rule, the rest replicated."""
+  """Sharding of a [B, ...] batch: B over the mesh axes of the 'batch' rule, the rest replicated.
+
+  Cached: `put_batch` asks for it every training step.
+  """
   return NamedSharding(mesh, logical_spec(("batch",) + (None,) * (ndim - 1), rules))
 
 

@@ -303,8 +303,9 @@ def train_and_evaluate(config: Any, workdir: str) -> dict:
   mesh, rules = setup.mesh, setup.rules
   tx = make_optimizer(optim, train.num_train_steps)
   manager = checkpoint.make_manager(workdir, keep=train.keep_checkpoints)
-  start_step = manager.latest_step() or 0
-  if manager.latest_step() is not None:
+  latest = manager.latest_step()
+  start_step = latest or 0
+  if latest is not None:
     model_def, model_abs, opt_def, opt_abs = abstract_train_state(rc, tx, mesh, rules)
     model_state, opt_state, meta = checkpoint.restore(manager, start_step, model_abs, opt_abs)
     logging.info("Resumed from the checkpoint of step %d (%s).", start_step, meta)
@@ -453,10 +454,9 @@ def train_and_evaluate(config: Any, workdir: str) -> dict:
           finish(*pending)
         pending = (done, metrics)
         stop = watcher.requested()
-        if jax.process_count() > 1 and done % train.log_every_steps == 0:
-          stop = _any_process(stop)
-        elif jax.process_count() > 1:
-          stop = False
+        if jax.process_count() > 1:
+          # Processes agree on stopping only at logging steps (one collective per interval).
+          stop = done % train.log_every_steps == 0 and _any_process(stop)
         last = done == train.num_train_steps
         log_now = done % train.log_every_steps == 0 or last
         save_now = (

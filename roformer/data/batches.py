@@ -101,6 +101,14 @@ class TrainBatches:
         f"split of {corpus.source.describe()} has only {n} tokens"
       )
     self._perms: dict[int, np.ndarray] = {}
+    # The parts of a batch that do not depend on the step, built once: batch() runs every step.
+    self._local_rows_B = process_index * self.local_batch_size + np.arange(
+      self.local_batch_size, dtype=np.int64
+    )
+    self._offsets_R = np.arange(cfg.seq_len + (model_kind == "decoder"))
+    self._positions_BL = np.broadcast_to(
+      np.arange(cfg.seq_len, dtype=np.int32), (self.local_batch_size, cfg.seq_len)
+    )
 
   def batch(self, step: int) -> dict[str, np.ndarray]:
     """This process's rows of the global batch of `step`.
@@ -113,17 +121,12 @@ class TrainBatches:
     """
     if step < 0:
       raise ValueError(f"step={step} must be >= 0")
-    rows_B = (
-      step * self.global_batch_size
-      + self.process_index * self.local_batch_size
-      + np.arange(self.local_batch_size, dtype=np.int64)
-    )
-    windows_B = self._windows(rows_B)
+    windows_B = self._windows(step * self.global_batch_size + self._local_rows_B)
     if self._packed:
       return self._packed_batch(windows_B)
     if self.model_kind == "decoder":
       return self._decoder_batch(windows_B)
-    return self._encoder_batch(windows_B, step=step, rows_B=rows_B - step * self.global_batch_size)
+    return self._encoder_batch(windows_B, step=step)
 
   def iterate(self, start_step: int = 0) -> Iterator[dict[str, np.ndarray]]:
     """Yields batch(start_step), batch(start_step + 1), ... (resume by passing the saved step)."""
@@ -149,15 +152,23 @@ class TrainBatches:
     return self._perms[epoch]
 
   def _decoder_batch(self, windows_B: np.ndarray) -> dict[str, np.ndarray]:
-    length = self.seq_len
-    rows_BR = np.asarray(self._tokens[windows_B[:, None] * length + np.arange(length + 1)])
-    shape = (len(windows_B), length)
+    rows_BR = np.asarray(self._tokens[windows_B[:, None] * self.seq_len + self._offsets_R])
+    return self._window_batch(
+      np.ascontiguousarray(rows_BR[:, :-1], dtype=np.int32),
+      np.ascontiguousarray(rows_BR[:, 1:], dtype=np.int32),
+      np.ones(self._positions_BL.shape, np.float32),
+    )
+
+  def _window_batch(
+    self, inputs_BL: np.ndarray, targets_BL: np.ndarray, weights_BL: np.ndarray
+  ) -> dict[str, np.ndarray]:
+    """A batch of unpacked windows: one segment per row, positions 0..L-1."""
     return {
-      "inputs": np.ascontiguousarray(rows_BR[:, :-1], dtype=np.int32),
-      "targets": np.ascontiguousarray(rows_BR[:, 1:], dtype=np.int32),
-      "positions": np.broadcast_to(np.arange(length, dtype=np.int32), shape).copy(),
-      "segment_ids": np.ones(shape, np.int32),
-      "weights": np.ones(shape, np.float32),
+      "inputs": inputs_BL,
+      "targets": targets_BL,
+      "positions": self._positions_BL.copy(),  # fresh arrays: callers may mutate or donate them
+      "segment_ids": np.ones(self._positions_BL.shape, np.int32),
+      "weights": weights_BL,
     }
 
   def _packed_batch(self, windows_B: np.ndarray) -> dict[str, np.ndarray]:
@@ -175,14 +186,13 @@ class TrainBatches:
       "weights": weights_BL.astype(np.float32),
     }
 
-  def _encoder_batch(
-    self, windows_B: np.ndarray, *, step: int, rows_B: np.ndarray
-  ) -> dict[str, np.ndarray]:
-    length = self.seq_len
-    targets_BL = np.asarray(self._tokens[windows_B[:, None] * length + np.arange(length)], np.int32)
+  def _encoder_batch(self, windows_B: np.ndarray, *, step: int) -> dict[str, np.ndarray]:
+    targets_BL = np.asarray(
+      self._tokens[windows_B[:, None] * self.seq_len + self._offsets_R], np.int32
+    )
     inputs_BL = np.empty_like(targets_BL)
     weights_BL = np.empty(targets_BL.shape, np.float32)
-    for i, row in enumerate(rows_B.tolist()):
+    for i, row in enumerate(self._local_rows_B.tolist()):
       # One generator per global row, so a row's mask does not depend on the process layout.
       rng = np.random.default_rng((self.seed, _MASK_STREAM, step, row))
       inputs_BL[i : i + 1], weights_BL[i : i + 1] = mlm_mask(
@@ -191,11 +201,4 @@ class TrainBatches:
         tokenizer=self.tokenizer,
         mlm_probability=self.cfg.mlm_probability,
       )
-    shape = targets_BL.shape
-    return {
-      "inputs": inputs_BL,
-      "targets": targets_BL,
-      "positions": np.broadcast_to(np.arange(length, dtype=np.int32), shape).copy(),
-      "segment_ids": np.ones(shape, np.int32),
-      "weights": weights_BL,
-    }
+    return self._window_batch(inputs_BL, targets_BL, weights_BL)

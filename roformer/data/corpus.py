@@ -49,9 +49,8 @@ class Corpus:
     return self._tokens[split]
 
   def _load(self, split: str) -> np.ndarray:
-    key = cache_key(
-      source=self.source.identity(), tokenizer=self.tokenizer.fingerprint, split=split
-    )
+    identity = self.source.identity()  # FilesSource stats every file: compute it once
+    key = cache_key(source=identity, tokenizer=self.tokenizer.fingerprint, split=split)
     cached = self._cache.load(key)
     if cached is not None:
       tokens, meta = cached
@@ -72,7 +71,7 @@ class Corpus:
       key,
       tokens,
       {
-        "source": self.source.identity(),
+        "source": identity,
         "tokenizer": self.tokenizer.fingerprint,
         "split": split,
         "num_documents": num_documents,

@@ -55,13 +55,13 @@ class FilesSource(sources.Source):
     if cfg.test_files:
       self._globs["test"] = ("data.test_files", cfg.test_files)
     self._files = {split: expand(g, field=f) for split, (f, g) in self._globs.items()}
-    for field, paths in ((self._globs[s][0], p) for s, p in self._files.items()):
+    for split, paths in self._files.items():
       for path in paths:
-        _check_text_field(path, cfg.text_field, field=field)
+        _check_text_field(path, cfg.text_field, field=self._globs[split][0])
 
   def identity(self):
     stats = {
-      split: [(p, os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in paths]
+      split: [(p, st.st_size, st.st_mtime_ns) for p in paths for st in [os.stat(p)]]
       for split, paths in self._files.items()
     }
     return {
@@ -72,7 +72,7 @@ class FilesSource(sources.Source):
     }
 
   def describe(self) -> str:
-    return ", ".join(f"{field}={pattern!r}" for field, pattern in self._globs.values())
+    return ", ".join(self._where(split) for split in self._globs)
 
   def _load(self, split: str) -> datasets.Dataset:
     if split in ("train", "validation") and "validation" not in self._files:

@@ -78,7 +78,6 @@ class PyStdlibSource(sources.Source):
       self.splits[split].append(rel)
       num_bytes[split] += len(data)
     self.content_sha256 = digest.hexdigest()
-    self.num_bytes = num_bytes
     log.info(
       "pystdlib: Python %s at %s: %s; content sha256 %s",
       sys.version.split()[0],

@@ -7,7 +7,6 @@ A source yields documents as a `datasets.Dataset` with one string column "text" 
 from __future__ import annotations
 
 import abc
-import logging
 import os
 from typing import Any
 
@@ -16,8 +15,6 @@ import pyarrow.compute as pc
 
 from roformer.data.config import SOURCES, DataConfig
 from roformer.data.errors import DataError
-
-log = logging.getLogger(__name__)
 
 SPLITS = ("train", "validation", "test")
 

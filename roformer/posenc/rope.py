@@ -143,7 +143,6 @@ class Rope(PosEnc):
       )
     if not cfg.max_wavelength > 1:
       raise ValueError(f"posenc.max_wavelength={cfg.max_wavelength} must be > 1")
-    check_scaling(cfg.scaling, need_original_len=False)
     if cfg.scaling.kind in ("ntk", "dynamic") and rotary_dims(head_dim, cfg.rope_fraction) <= 2:
       raise ValueError(
         f"posenc.scaling.kind={cfg.scaling.kind!r} needs at least 4 rotary dims "
@@ -158,13 +157,21 @@ class Rope(PosEnc):
       self.rotary_dims, self.cfg.max_wavelength, self.cfg.scaling, seq_len=seq_len
     )
 
+  def scales(
+    self, qpos_BL: jax.Array, kpos_BS: jax.Array, attention_factor: float
+  ) -> tuple[float | jax.Array, float | jax.Array]:
+    """Multipliers of the query and key sin/cos (`rope_sin_cos`'s `scale`): the attention factor."""
+    del qpos_BL, kpos_BS
+    return attention_factor, attention_factor
+
   def rotate(self, q_BLHK, k_BSGK, qpos_BL, kpos_BS):
     """Rotates q [B, L, H, K] and k [B, S, G, K] (G may be < H); dtypes are preserved."""
     _check_qk(q_BLHK, k_BSGK, qpos_BL, kpos_BS, self.head_dim)
     inv_freq, attention_factor = self.frequencies(kpos_BS)
+    scale_q, scale_k = self.scales(qpos_BL, kpos_BS, attention_factor)
     layout = self.cfg.rope_layout
-    sin_q, cos_q = rope_sin_cos(qpos_BL, inv_freq, attention_factor)
-    sin_k, cos_k = rope_sin_cos(kpos_BS, inv_freq, attention_factor)
+    sin_q, cos_q = rope_sin_cos(qpos_BL, inv_freq, scale_q)
+    sin_k, cos_k = rope_sin_cos(kpos_BS, inv_freq, scale_k)
     return (
       apply_rotary(q_BLHK, sin_q, cos_q, layout=layout),
       apply_rotary(k_BSGK, sin_k, cos_k, layout=layout),
@@ -204,10 +211,11 @@ class XPos(Rope):
     zeta = (np.arange(0, d, 2, dtype=np.float64) + gamma * d) / ((1 + gamma) * d)
     return np.log(zeta).astype(np.float32)
 
-  def rotate(self, q_BLHK, k_BSGK, qpos_BL, kpos_BS):
-    """Rotates and scales q [B, L, H, K] and k [B, S, G, K]; dtypes are preserved."""
-    _check_qk(q_BLHK, k_BSGK, qpos_BL, kpos_BS, self.head_dim)
-    inv_freq, attention_factor = self.frequencies(kpos_BS)
+  def scales(self, qpos_BL, kpos_BS, attention_factor):
+    """Float32 query scales zeta^((n - c)/scale_base) [B, L, d/2] and key scales [B, S, d/2].
+
+    Keys get the inverse power; both are multiplied by the scaling's attention factor.
+    """
     # Per-row centre; integer arithmetic so that n - c is exact.
     c_B1 = ((jnp.min(kpos_BS, axis=1) + jnp.max(kpos_BS, axis=1)) // 2)[:, None]
     log_zeta_11k = jnp.asarray(self.log_zeta())[None, None, :]
@@ -216,10 +224,4 @@ class XPos(Rope):
     nk_BS1 = ((kpos_BS - c_B1).astype(jnp.float32) * inv_base)[:, :, None]
     scale_q = jnp.exp(nq_BL1 * log_zeta_11k) * attention_factor
     scale_k = jnp.exp(-nk_BS1 * log_zeta_11k) * attention_factor
-    layout = self.cfg.rope_layout
-    sin_q, cos_q = rope_sin_cos(qpos_BL, inv_freq, scale_q)
-    sin_k, cos_k = rope_sin_cos(kpos_BS, inv_freq, scale_k)
-    return (
-      apply_rotary(q_BLHK, sin_q, cos_q, layout=layout),
-      apply_rotary(k_BSGK, sin_k, cos_k, layout=layout),
-    )
+    return scale_q, scale_k
