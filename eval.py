@@ -20,7 +20,15 @@ flags.DEFINE_enum("split", "validation", ["validation", "test"], "Split of the r
 flags.DEFINE_integer("step", None, "Checkpoint step; default the latest.")
 flags.DEFINE_integer("batch_size", 0, "Windows per batch; 0 = about 16k tokens per batch.")
 flags.DEFINE_string("rope_scaling", "none", "RoPE scaling applied at evaluation (RoPE runs).")
-flags.DEFINE_float("rope_factor", 1.0, "Factor of --rope_scaling.")
+flags.DEFINE_string(
+  "rope_factor", "1", "Factor of --rope_scaling, or 'auto' = each length / training length."
+)
+flags.DEFINE_integer(
+  "window", 0, "Sliding attention window imposed at evaluation (0 = as trained)."
+)
+flags.DEFINE_bool(
+  "bca", False, "Blockwise causal attention (xPos): blocks of --window or the training length."
+)
 flags.DEFINE_string("data_files", "", "Glob of other text, tokenized with the run's tokenizer.")
 flags.DEFINE_string("out", "", "NAME of DIR/eval/NAME.json|png (or of the JSON --compare reads).")
 flags.DEFINE_list("compare", [], "Workdirs (or eval JSON files) to draw in one plot.")
@@ -63,6 +71,8 @@ def main(argv):
       batch_size=FLAGS.batch_size,
       rope_scaling=FLAGS.rope_scaling,
       rope_factor=FLAGS.rope_factor,
+      attention_window=FLAGS.window,
+      bca=FLAGS.bca,
       data_files=FLAGS.data_files,
       out=FLAGS.out,
       log=lambda line: print(line, flush=True),

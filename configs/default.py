@@ -65,6 +65,15 @@ def get_config() -> ml_collections.ConfigDict:
   model.attention_block = 512
   # Sliding-window attention: keys within this many positions of the query (0 = all keys).
   model.attention_window = 0
+  # How attention_window limits keys: "sliding" (within attention_window positions of the query)
+  # or "blockwise" (xPos's blockwise causal attention: the query's block of attention_window
+  # positions and the block before it).
+  model.attention_window_kind = "sliding"
+  # Token embeddings: "auto" = as the encoding's paper ("sqrt_d" for sinusoidal, alibi and t5;
+  # "none" for learned, rope, xpos and nope; see docs/fidelity.md), "none" = BERT's N(0, 0.02^2)
+  # unscaled, "sqrt_d" = N(0, 1/d) multiplied by sqrt(d) (Vaswani et al., fairseq). Comparisons
+  # set one value for every encoding.
+  model.embed_scale = "auto"
 
   # ---- posenc: the positional encoding (one field picks it; every kind's fields are here) ----
   config.posenc = posenc = ml_collections.ConfigDict()
@@ -92,7 +101,8 @@ def get_config() -> ml_collections.ConfigDict:
   scaling.kind = "none"
   # Context extension factor s.
   scaling.factor = 1.0
-  # Pretrained context length L0: 0 = this run's data.seq_len.
+  # Pretrained context length L0: 0 = the data.seq_len of the train.init_from run when there is
+  # one (fine-tuning a shorter run), else this run's data.seq_len.
   scaling.original_max_len = 0
   # ntk_by_parts / yarn: rotations per context above which a frequency is left alone.
   scaling.beta_fast = 32.0

@@ -40,15 +40,24 @@ def _check_ranks(q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS):
     raise ValueError(f"positions {qpos_BL.shape}, {kpos_BS.shape} do not match q and k")
 
 
-def attention_mask(qpos_BL, kpos_BS, qseg_BL=None, kseg_BS=None, *, causal, window=0):
+WINDOW_KINDS = ("sliding", "blockwise")
+
+
+def attention_mask(
+  qpos_BL, kpos_BS, qseg_BL=None, kseg_BS=None, *, causal, window=0, window_kind="sliding"
+):
   """Which keys each query may attend to.
 
   Args:
     qpos_BL, kpos_BS: int positions of queries and keys.
     qseg_BL, kseg_BS: int segment ids (None: one segment); keys must share the query's id.
     causal: keys must not come after the query (kpos <= qpos).
-    window: if > 0, keys must lie within `window` positions of the query (|qpos - kpos| <
-      window, which for causal attention is qpos - kpos < window).
+    window: if > 0, limits the keys by `window_kind`.
+    window_kind: "sliding": keys within `window` positions of the query (|qpos - kpos| < window,
+      which for causal attention is qpos - kpos < window). "blockwise": xPos's blockwise causal
+      attention (BCA): positions fall in blocks of `window`, and a query sees keys of its own
+      block and of the block before (kpos // window >= qpos // window - 1), so between `window`
+      and 2 * `window` keys.
 
   Returns:
     bool [B, L, S].
@@ -60,7 +69,9 @@ def attention_mask(qpos_BL, kpos_BS, qseg_BL=None, kseg_BS=None, *, causal, wind
     mask_BLS &= qseg_BL[:, :, None] == kseg_BS[:, None, :]
   if causal:
     mask_BLS &= kpos_B1S <= qpos_BL1
-  if window > 0:
+  if window > 0 and window_kind == "blockwise":
+    mask_BLS &= kpos_B1S // window >= qpos_BL1 // window - 1
+  elif window > 0:
     mask_BLS &= jnp.abs(qpos_BL1 - kpos_B1S) < window
   return mask_BLS
 
@@ -103,6 +114,7 @@ def dense_attention(
   kseg_BS=None,
   causal: bool = False,
   window: int = 0,
+  window_kind: str = "sliding",
   bias_fn: BiasFn | None = None,
   dropout_rate: float = 0.0,
   dropout_key: jax.Array | None = None,
@@ -115,7 +127,7 @@ def dense_attention(
     k_BSGK, v_BSGK: keys (already rotated) and values; H must be a multiple of G.
     qpos_BL, kpos_BS: int positions of queries and keys (for masks and `bias_fn`).
     qseg_BL, kseg_BS: int segment ids, or None for a single segment.
-    causal, window: see `attention_mask`.
+    causal, window, window_kind: see `attention_mask`.
     bias_fn: positional bias of a block of positions, e.g. `posenc.bias`.
     dropout_rate, dropout_key: attention-probability dropout (no dropout when the key is None).
     block: unused (kept so every kernel has the same signature).
@@ -129,9 +141,10 @@ def dense_attention(
   G = k_BSGK.shape[2]
   bias_BHLS = None if bias_fn is None else bias_fn(qpos_BL, kpos_BS)
   s_BGRLS = _scores(_split_heads(q_BLHK, G), k_BSGK, bias_BHLS)
-  mask_B11LS = attention_mask(qpos_BL, kpos_BS, qseg_BL, kseg_BS, causal=causal, window=window)[
-    :, None, None
-  ]
+  mask_BLS = attention_mask(
+    qpos_BL, kpos_BS, qseg_BL, kseg_BS, causal=causal, window=window, window_kind=window_kind
+  )
+  mask_B11LS = mask_BLS[:, None, None]
   # fp32 softmax for stability, written out so that fully masked rows give 0 (as in `chunked`).
   s_BGRLS = jnp.where(mask_B11LS, s_BGRLS, _NEG)
   p_BGRLS = jnp.exp(s_BGRLS - s_BGRLS.max(axis=-1, keepdims=True))
@@ -169,6 +182,7 @@ def chunked_attention(
   kseg_BS=None,
   causal: bool = False,
   window: int = 0,
+  window_kind: str = "sliding",
   bias_fn: BiasFn | None = None,
   dropout_rate: float = 0.0,
   dropout_key: jax.Array | None = None,
@@ -211,7 +225,9 @@ def chunked_attention(
 
     def key_block(carry, k_args):
       ki, k_BkGK, v_BkGK, kpos_Bk, kseg_Bk, kvalid_Bk = k_args
-      mask_BqBk = attention_mask(qpos_Bq, kpos_Bk, qseg_Bq, kseg_Bk, causal=causal, window=window)
+      mask_BqBk = attention_mask(
+        qpos_Bq, kpos_Bk, qseg_Bq, kseg_Bk, causal=causal, window=window, window_kind=window_kind
+      )
       mask_B11qk = (mask_BqBk & kvalid_Bk[:, None, :])[:, None, None]
 
       def update(carry):
@@ -302,6 +318,7 @@ class Attention(nnx.Module):
     impl: str = "auto",
     block: int = 512,
     window: int = 0,
+    window_kind: str = "sliding",
     dtype=jnp.float32,
     param_dtype=jnp.float32,
     rngs: nnx.Rngs,
@@ -319,6 +336,7 @@ class Attention(nnx.Module):
     self.impl = impl
     self.block = block
     self.window = window
+    self.window_kind = window_kind
     common = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     hk_bias = nnx.with_partitioning(nnx.initializers.zeros, ("heads", "kv"))
     qkv_init = _kernel_init(0, (1, 2), ("embed", "heads", "kv"))
@@ -378,6 +396,7 @@ class Attention(nnx.Module):
       kseg_BS=segment_ids_BL,
       causal=self.causal,
       window=self.window,
+      window_kind=self.window_kind,
       bias_fn=posenc.bias,
       dropout_rate=self.dropout_rate,
       dropout_key=dropout_key,

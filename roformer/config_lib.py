@@ -283,7 +283,8 @@ def run_config_from_dict(config: Any, *, vocab_size: int | None = None) -> RunCo
       present (config.json), else ModelConfig's default (only right for the bytes tokenizer).
 
   Returns:
-    RunConfig, with posenc.scaling.original_max_len 0 replaced by data.seq_len.
+    RunConfig, with posenc.scaling.original_max_len 0 replaced by the pretraining length: the
+    data.seq_len of the train.init_from run (a workdir with config.json), else data.seq_len.
 
   Raises:
     ConfigError (a ValueError) naming the field and the allowed values.
@@ -303,7 +304,8 @@ def run_config_from_dict(config: Any, *, vocab_size: int | None = None) -> RunCo
   scaling_values = dict(posenc_values.get("scaling", {}))
   scaling = _build(RopeScaling, scaling_values, "posenc.scaling")
   if scaling.original_max_len == 0:
-    scaling = dataclasses.replace(scaling, original_max_len=data.seq_len)
+    original = _init_from_seq_len(values["train"].get("init_from", "")) or data.seq_len
+    scaling = dataclasses.replace(scaling, original_max_len=original)
   posenc = _build(PosEncConfig, posenc_values, "posenc", scaling=scaling)
   model_values = dict(values["model"])
   if vocab_size is not None:
@@ -319,6 +321,27 @@ def run_config_from_dict(config: Any, *, vocab_size: int | None = None) -> RunCo
   _validate_mesh(mesh)
   _validate_model(model, data.seq_len)
   return RunConfig(model=model, data=data, optim=optim, train=train, mesh=mesh)
+
+
+def _init_from_seq_len(init_from: Any) -> int:
+  """data.seq_len of the run `train.init_from` names (its workdir, checkpoints/ or a step), or 0."""
+  if not isinstance(init_from, str) or not init_from:
+    return 0
+  path = epath.Path(init_from)
+  # A workdir, its checkpoints/ directory, or one step directory inside that.
+  candidates = [path]
+  if path.name == "checkpoints":
+    candidates.append(path.parent)
+  elif path.parent.name == "checkpoints":
+    candidates.append(path.parent.parent)
+  for candidate in candidates:
+    config_file = candidate / CONFIG_FILE
+    if config_file.exists():
+      try:
+        return int(json.loads(config_file.read_text())["data"]["seq_len"])
+      except (ValueError, KeyError, TypeError):
+        return 0
+  return 0
 
 
 # ---- config.json and the resume rule ----

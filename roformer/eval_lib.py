@@ -33,6 +33,7 @@ class Windows:
     positions: int32 positions within the window.
     weights: float32, 1 where a target is scored, else 0.
     num_tokens: number of scored targets.
+    segment_ids: int32 document ids within each window (runs trained with packing), or None.
   """
 
   inputs: np.ndarray
@@ -40,6 +41,26 @@ class Windows:
   positions: np.ndarray
   weights: np.ndarray
   num_tokens: int
+  segment_ids: np.ndarray | None = None
+
+
+def document_segments(inputs_NL: np.ndarray, eos_id: int) -> tuple[np.ndarray, np.ndarray]:
+  """Segment ids and per-document positions of windows over EOS-joined documents.
+
+  A document ends with its EOS, so a new segment starts after every EOS input. This is what a
+  run trained with `data.pack` saw: attention within one document, positions restarting at 0.
+
+  Returns:
+    (segment_ids int32 [N, L], positions int32 [N, L]).
+  """
+  N, L = inputs_NL.shape
+  index_NL = np.broadcast_to(np.arange(L, dtype=np.int64), (N, L))
+  starts_NL = np.zeros((N, L), bool)
+  starts_NL[:, 0] = True
+  starts_NL[:, 1:] = inputs_NL[:, :-1] == eos_id
+  segment_NL = np.cumsum(starts_NL, axis=1) - 1
+  start_index_NL = np.maximum.accumulate(np.where(starts_NL, index_NL, 0), axis=1)
+  return segment_NL.astype(np.int32), (index_NL - start_index_NL).astype(np.int32)
 
 
 def make_windows(
@@ -54,12 +75,16 @@ def make_windows(
   tokenizer=None,
   mlm_probability: float = 0.15,
   seed: int = 0,
+  packed: bool = False,
 ) -> Windows:
   """Cuts the evaluation span of `tokens` into windows of `length`.
 
-  Decoders use `data.eval_windows` as is. Encoders see the same windows with targets = the window's
-  own tokens; the BERT mask is drawn once over the whole region the windows can touch (seeded), so
-  every length and protocol scores the same masked tokens.
+  Decoders use `data.eval_windows` as is; a run trained with packing (`packed`) gets segment ids
+  and per-document positions, as in training, so no token attends across a document boundary.
+  Encoders see the same windows with targets = the window's own tokens, and sliding windows
+  centred on their scored tokens (context on both sides); the BERT mask is drawn once over the
+  whole region the windows can touch (seeded), so every length and protocol scores the same
+  masked tokens.
 
   Args:
     tokens: int [T] token stream (documents joined with EOS).
@@ -68,6 +93,7 @@ def make_windows(
     tokenizer: the run's Tokenizer (encoders: mask and special token ids).
     mlm_probability: fraction of tokens masked (encoders).
     seed: seed of the mask (encoders).
+    packed: the run was trained with `data.pack` (decoders; needs the tokenizer's EOS id).
 
   Returns:
     Windows with arrays [N, length].
@@ -77,6 +103,7 @@ def make_windows(
   if protocol not in PROTOCOLS:
     raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
   tokens = np.asarray(tokens)
+  encoder = model_kind == "encoder"
   ew = data_lib.eval_windows(
     tokens,
     length=length,
@@ -84,23 +111,32 @@ def make_windows(
     stride=stride,
     max_tokens=max_tokens,
     max_length=max_length,
+    centred=encoder,
   )
-  if model_kind == "decoder":
+  if not encoder:
+    inputs = np.asarray(ew.inputs, np.int32)
+    segment_ids, positions = None, np.asarray(ew.positions, np.int32)
+    if packed:
+      if tokenizer is None:
+        raise ValueError("evaluating a run trained with data.pack needs the run's tokenizer")
+      segment_ids, positions = document_segments(inputs, tokenizer.eos_id)
     return Windows(
-      inputs=np.asarray(ew.inputs, np.int32),
+      inputs=inputs,
       targets=np.asarray(ew.targets, np.int32),
-      positions=np.asarray(ew.positions, np.int32),
+      positions=positions,
       weights=np.asarray(ew.weights, np.float32),
       num_tokens=int(ew.num_tokens),
+      segment_ids=segment_ids,
     )
   if tokenizer is None:
     raise ValueError("evaluating an encoder (model.kind='encoder') needs the run's tokenizer")
   # An encoder window is the token span a decoder window scores: its targets, read unshifted.
   index_NL = np.asarray(ew.target_indices, np.int64)
   # The mask is drawn over a region fixed by the span and max_length alone (the prefix any window
-  # may reach into, then the span), so every length and protocol sees the same masked tokens.
-  span_stop = int(index_NL.max()) + 1
-  region_start = max(0, span_stop - ew.num_tokens - max_length)
+  # may reach into, the span, the right context of centred windows), so every length and
+  # protocol sees the same masked tokens.
+  region_start = max(0, ew.span_start - max_length)
+  span_stop = ew.span_end + data_lib.right_context(max_length, centred=True)
   masked_1R, mask_weights_1R = data_lib.mlm_mask(
     tokens[None, region_start:span_stop],
     rng=np.random.default_rng(seed),
@@ -131,7 +167,9 @@ def loss_block_size(model, length: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "block"))
-def score_batch(graphdef, state, inputs_BL, targets_BL, positions_BL, weights_BL, *, block):
+def score_batch(
+  graphdef, state, inputs_BL, targets_BL, positions_BL, weights_BL, segment_ids_BL=None, *, block
+):
   """Weighted loss sums of one batch; the output layer and loss run over sequence blocks.
 
   A fori_loop slices one block of the hidden states at a time (no reshaped or padded copy of
@@ -141,13 +179,14 @@ def score_batch(graphdef, state, inputs_BL, targets_BL, positions_BL, weights_BL
     graphdef, state: the model, as split by `nnx.split` (graphdef static).
     inputs_BL, targets_BL, positions_BL: int32 [B, L].
     weights_BL: float32 [B, L]; 0 = not scored.
+    segment_ids_BL: int32 [B, L] document ids (attention stays within one), or None.
     block: sequence block of the output layer and loss (static).
 
   Returns:
     (loss_sum, correct_sum, weight_sum) float32 scalars and the loss sum by position, float32 [L].
   """
   model = nnx.merge(graphdef, state)
-  h_BLD = model.hidden(inputs_BL, positions_BL, deterministic=True)
+  h_BLD = model.hidden(inputs_BL, positions_BL, segment_ids_BL=segment_ids_BL, deterministic=True)
   length = h_BLD.shape[1]
   targets_BL = targets_BL.astype(jnp.int32)
   weights_BL = weights_BL.astype(jnp.float32)
@@ -246,6 +285,7 @@ def score_windows(
       windows.targets[rows],
       windows.positions[rows],
       weights,
+      None if windows.segment_ids is None else windows.segment_ids[rows],
       block=block,
     )
     # Dispatch this batch before pulling the previous one to host.
@@ -294,6 +334,7 @@ def evaluate_at_length(
   tokenizer=None,
   mlm_probability: float = 0.15,
   seed: int = 0,
+  packed: bool = False,
   progress: Callable[[int, int], None] | None = None,
 ) -> dict:
   """Loss and perplexity of `model` on the evaluation span with windows of `length`.
@@ -313,6 +354,7 @@ def evaluate_at_length(
     max_length: the largest length evaluated; the span starts after a prefix this long.
     batch_size: windows per jitted call.
     tokenizer, mlm_probability, seed: the encoder's deterministic BERT masking.
+    packed: the run was trained with `data.pack` (see `make_windows`).
     progress: called as progress(windows_done, num_windows).
 
   Returns:
@@ -330,6 +372,7 @@ def evaluate_at_length(
     tokenizer=tokenizer,
     mlm_probability=mlm_probability,
     seed=seed,
+    packed=packed,
   )
   scores = score_windows(model, windows, batch_size=batch_size, progress=progress)
   return summarize(scores, model_kind=model_kind, num_tokens=windows.num_tokens)

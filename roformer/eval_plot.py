@@ -23,11 +23,18 @@ PROTOCOL_STYLES = {
 
 
 def run_label(name: str, result: dict) -> str:
-  """Legend label of one run: its name, encoding and any RoPE scaling applied at evaluation."""
+  """Legend label of one run: its name, encoding, any RoPE scaling applied at evaluation, and
+  the result's notes (attention window, "no BCA", sliding stride)."""
   details = [] if result.get("posenc") == name else [str(result.get("posenc", "?"))]
   scaling = result.get("rope_scaling")
   if scaling:
-    details.append(f"{scaling['kind']} x{scaling['factor']:g}")
+    factor = scaling["factor"]
+    details.append(
+      f"{scaling['kind']} x{factor}"
+      if isinstance(factor, str)
+      else f"{scaling['kind']} x{factor:g}"
+    )
+  details.extend(result.get("notes", []))
   return f"{name} ({', '.join(details)})" if details else name
 
 

@@ -10,12 +10,14 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 from etils import epath
+from flax import nnx
 
 from roformer import checkpoint, config_lib, eval_lib, eval_plot
 from roformer import data as data_lib
 from roformer import model as model_lib
 from roformer.eval_lib import PROTOCOLS
 from roformer.eval_plot import DEFAULT_NAME
+from roformer.posenc import POSENCS
 from roformer.posenc_config import SCALING_KINDS, RopeScaling
 
 # Positions kept in the JSON's per-position curve; longer windows are averaged over equal bins.
@@ -29,18 +31,24 @@ def default_lengths(seq_len: int) -> list[int]:
   return [seq_len * 2**i for i in range(5)]
 
 
+AUTO_FACTOR = "auto"
+
+
 def output_name(
   out: str = "",
   rope_scaling: str = "none",
-  rope_factor: float = 1.0,
+  rope_factor: float | str = 1.0,
   *,
   split: str = "validation",
   data_files: str = "",
+  attention_window: int = 0,
+  window_kind: str = "sliding",
 ) -> str:
   """NAME of DIR/eval/NAME.json: `out`, else ppl_vs_length with a suffix per non-default choice.
 
-  Evaluating other text (`_files`), the test split (`_test`) or with a RoPE scaling
-  (`_<scaling>_<factor>`) never overwrites the plain validation result.
+  Evaluating other text (`_files`), the test split (`_test`), with a RoPE scaling
+  (`_<scaling>_<factor>`, factor "auto" too) or an attention window (`_window<W>`, `_bca<W>`)
+  never overwrites the plain validation result.
   """
   if out:
     return out
@@ -50,18 +58,53 @@ def output_name(
   elif split != "validation":
     name += f"_{split}"
   if rope_scaling != "none":
-    name += f"_{rope_scaling}_{rope_factor:g}"
+    factor = rope_factor if rope_factor == AUTO_FACTOR else f"{float(rope_factor):g}"
+    name += f"_{rope_scaling}_{factor}"
+  if attention_window:
+    name += f"_{'bca' if window_kind == 'blockwise' else 'window'}{attention_window}"
   return name
 
 
-def eval_model_config(model_cfg, *, seq_len: int, rope_scaling: str = "none", rope_factor=1.0):
-  """The run's ModelConfig as evaluated: any RoPE scaling applied, a blockwise attention kernel.
+def parse_rope_factor(value: str | float) -> float | str:
+  """--rope_factor: a number >= 1, or "auto" (target length / training length at each length)."""
+  if isinstance(value, str) and value.strip() == AUTO_FACTOR:
+    return AUTO_FACTOR
+  try:
+    factor = float(value)
+  except ValueError:
+    raise ValueError(f"--rope_factor must be a number or 'auto', got {value!r}") from None
+  if not factor > 0:
+    raise ValueError(f"--rope_factor must be > 0, got {value!r}")
+  return factor
+
+
+def factor_at(rope_factor: float | str, length: int, seq_len: int) -> float:
+  """The scaling factor at `length`: the given one, or for "auto" s = length / training length
+  (at least 1), as Position Interpolation and YaRN set s for a target context."""
+  if rope_factor == AUTO_FACTOR:
+    return max(1.0, length / seq_len)
+  return float(rope_factor)
+
+
+def eval_model_config(
+  model_cfg,
+  *,
+  seq_len: int,
+  rope_scaling: str = "none",
+  rope_factor: float = 1.0,
+  attention_window: int = 0,
+  window_kind: str = "sliding",
+):
+  """The run's ModelConfig as evaluated: any RoPE scaling or attention window applied, and a
+  blockwise attention kernel.
 
   Args:
     model_cfg: the run's ModelConfig.
     seq_len: the training length (the scaling's original_max_len).
     rope_scaling: a RopeScaling kind, or "none" to keep the run's encoding as trained.
     rope_factor: the scaling factor.
+    attention_window, window_kind: an attention window imposed at evaluation (0 = as trained),
+      e.g. xPos's blockwise causal attention (window_kind "blockwise", window = seq_len).
 
   Returns:
     A ModelConfig with the same parameters as `model_cfg`.
@@ -70,18 +113,46 @@ def eval_model_config(model_cfg, *, seq_len: int, rope_scaling: str = "none", ro
   if rope_scaling != "none":
     if rope_scaling not in SCALING_KINDS:
       raise ValueError(f"--rope_scaling must be one of {SCALING_KINDS}, got {rope_scaling!r}")
-    if posenc.kind != "rope":
+    if not POSENCS[posenc.kind].accepts_rope_scaling:
       raise ValueError(
         f"--rope_scaling rescales RoPE frequencies, but this run has posenc.kind={posenc.kind!r} "
-        "(only posenc.kind='rope' runs can be scaled)"
+        "(only rotary runs can be scaled)"
       )
     scaling = RopeScaling(kind=rope_scaling, factor=float(rope_factor), original_max_len=seq_len)
     posenc = dataclasses.replace(posenc, scaling=scaling)
+  window = {}
+  if attention_window:
+    if attention_window < 0:
+      raise ValueError(f"--window must be > 0, got {attention_window}")
+    window = dict(attention_window=attention_window, attention_window_kind=window_kind)
   # The dense kernel materialises [L, L] scores; "auto" is the same kernel for short windows.
   impl = "auto" if model_cfg.attention_impl == "dense" else model_cfg.attention_impl
-  cfg = dataclasses.replace(model_cfg, posenc=posenc, attention_impl=impl)
+  cfg = dataclasses.replace(model_cfg, posenc=posenc, attention_impl=impl, **window)
   model_lib.validate_model(cfg)
   return cfg
+
+
+def with_config(model, cfg):
+  """`model`'s parameters in a model built from `cfg` (same parameters, other static settings)."""
+  abstract = nnx.eval_shape(lambda: model_lib.make_model(cfg, rngs=nnx.Rngs(0)))
+  graphdef, _ = nnx.split(abstract)
+  return nnx.merge(graphdef, nnx.state(model))
+
+
+def label_notes(model_cfg, *, trained_window: int, stride: int, protocols) -> list[str]:
+  """What a curve's label must say to be read right: the attention window in force, an
+  encoding's paper setting left out (xPos without BCA), the sliding stride."""
+  notes = []
+  paper_window = POSENCS[model_cfg.posenc.kind].paper_eval_window
+  if model_cfg.attention_window and model_cfg.attention_window_kind == "blockwise":
+    notes.append(f"BCA {model_cfg.attention_window}")
+  elif model_cfg.attention_window and model_cfg.attention_window != trained_window:
+    notes.append(f"window {model_cfg.attention_window}")
+  elif paper_window == "blockwise":
+    notes.append("no BCA")
+  if "sliding" in protocols:
+    notes.append(f"stride {stride}" if stride else "stride L/4")
+  return notes
 
 
 def unsupported_length(model_cfg, length: int) -> str | None:
@@ -174,7 +245,9 @@ def evaluate_workdir(
   step: int | None = None,
   batch_size: int = 0,
   rope_scaling: str = "none",
-  rope_factor: float = 1.0,
+  rope_factor: float | str = 1.0,
+  attention_window: int = 0,
+  bca: bool = False,
   data_files: str = "",
   out: str = "",
   log: Callable[[str], None] = print,
@@ -190,7 +263,11 @@ def evaluate_workdir(
     split: "validation" or "test".
     step: checkpoint step; None = latest.
     batch_size: windows per batch; 0 = about 16k tokens per batch.
-    rope_scaling, rope_factor: a RoPE scaling applied at evaluation ("none" = as trained).
+    rope_scaling, rope_factor: a RoPE scaling applied at evaluation ("none" = as trained); the
+      factor "auto" is length / training length at each length.
+    attention_window: a sliding attention window imposed at evaluation (0 = as trained).
+    bca: blockwise causal attention (xPos) with blocks of `attention_window` or, when that is 0,
+      of the training length.
     data_files: a glob of other text, tokenized with the run's tokenizer.
     out: NAME; default `output_name(...)`.
     log: where progress lines go.
@@ -201,17 +278,32 @@ def evaluate_workdir(
   protocols = PROTOCOLS if protocol == "both" else (protocol,)
   if any(p not in PROTOCOLS for p in protocols):
     raise ValueError(f"--protocol must be one of {PROTOCOLS + ('both',)}, got {protocol!r}")
+  rope_factor = parse_rope_factor(rope_factor)
   workdir = epath.Path(workdir)
   run_config = config_lib.load_run_config(workdir)
   seq_len = run_config.data.seq_len
-  model_cfg = eval_model_config(
-    run_config.model, seq_len=seq_len, rope_scaling=rope_scaling, rope_factor=rope_factor
-  )
+  window_kind = "blockwise" if bca else "sliding"
+  if bca and not attention_window:
+    attention_window = seq_len
+  if bca and run_config.model.kind != "decoder":
+    raise ValueError("--bca (blockwise causal attention) applies to decoders only")
+
+  def config_at(length: int):
+    return eval_model_config(
+      run_config.model,
+      seq_len=seq_len,
+      rope_scaling=rope_scaling,
+      rope_factor=factor_at(rope_factor, length, seq_len),
+      attention_window=attention_window,
+      window_kind=window_kind,
+    )
+
   lengths = sorted(set(int(x) for x in lengths)) or default_lengths(seq_len)
   if lengths[0] < 1:
     raise ValueError(f"--lengths must be positive, got {lengths}")
   if stride and stride > lengths[0] and "sliding" in protocols:
     raise ValueError(f"--stride={stride} is longer than the shortest length {lengths[0]}")
+  model_cfg = config_at(lengths[0])
   model, step = restore_for_eval(workdir, run_config, model_cfg, step=step)
   tokens, tokenizer = load_eval_tokens(run_config, workdir, split=split, data_files=data_files)
   model_kind = model_cfg.kind
@@ -223,6 +315,9 @@ def evaluate_workdir(
 
   records, position_scores = [], {}
   for i, length in enumerate(lengths, start=1):
+    length_cfg = config_at(length)
+    if length_cfg != model_cfg:  # "auto" factors: same parameters, another scaling
+      model, model_cfg = with_config(model, length_cfg), length_cfg
     reason = unsupported_length(model_cfg, length)
     for proto in protocols:
       prefix = f"length {i}/{len(lengths)} L={length} {proto}"
@@ -231,17 +326,19 @@ def evaluate_workdir(
         log(f"{prefix}: skipped ({reason})")
         continue
       start = time.perf_counter()
+      proto_stride = stride or max(1, length // 4)
       windows = eval_lib.make_windows(
         tokens,
         model_kind=model_kind,
         length=length,
         protocol=proto,
-        stride=stride or max(1, length // 4),
+        stride=proto_stride,
         max_tokens=max_tokens,
         max_length=max_length,
         tokenizer=tokenizer,
         mlm_probability=run_config.data.mlm_probability,
         seed=run_config.train.seed,  # the training loop's evaluation mask
+        packed=run_config.data.pack,
       )
       scores = eval_lib.score_windows(
         model,
@@ -252,6 +349,10 @@ def evaluate_workdir(
       metrics = eval_lib.summarize(scores, model_kind=model_kind, num_tokens=windows.num_tokens)
       record = {"length": length, "protocol": proto}
       record.update({k: metrics[k] for k in ("loss", "ppl", "tokens", "accuracy") if k in metrics})
+      if proto == "sliding":
+        record["stride"] = proto_stride
+      if rope_scaling != "none":
+        record["rope_factor"] = model_cfg.posenc.scaling.factor
       records.append(record)
       position_scores[(length, proto)] = scores
       log(
@@ -268,20 +369,32 @@ def evaluate_workdir(
       "length": key[0],
       "loss": bin_positions(scores.position_loss_sum, scores.position_weight_sum),
     }
-  scaling = model_cfg.posenc.scaling
   result = {
     "step": int(step),
     "posenc": model_cfg.posenc.kind,
-    "rope_scaling": (
-      None
-      if model_cfg.posenc.kind != "rope" or scaling.kind == "none"
-      else {"kind": scaling.kind, "factor": scaling.factor}
+    "rope_scaling": _scaling_record(model_cfg, rope_scaling, rope_factor),
+    "attention_window": (
+      {"kind": window_kind, "size": attention_window} if attention_window else None
+    ),
+    "notes": label_notes(
+      model_cfg,
+      trained_window=run_config.model.attention_window,
+      stride=stride,
+      protocols=protocols,
     ),
     "split": f"files:{data_files}" if data_files else split,
     "records": records,
     "per_position": per_position,
   }
-  name = output_name(out, rope_scaling, rope_factor, split=split, data_files=data_files)
+  name = output_name(
+    out,
+    rope_scaling,
+    rope_factor,
+    split=split,
+    data_files=data_files,
+    attention_window=attention_window,
+    window_kind=window_kind,
+  )
   json_path = write_result(result, workdir / "eval" / f"{name}.json")
   png_path = eval_plot.plot_runs(
     [(eval_plot.run_label(workdir.name, result), result, seq_len)],
@@ -290,6 +403,16 @@ def evaluate_workdir(
   )
   log(f"wrote {json_path} and {png_path}")
   return result, json_path
+
+
+def _scaling_record(model_cfg, rope_scaling: str, rope_factor) -> dict | None:
+  """JSON "rope_scaling": the one applied at evaluation, else the run's own, else None."""
+  if rope_scaling != "none":
+    return {"kind": rope_scaling, "factor": rope_factor}
+  scaling = model_cfg.posenc.scaling
+  if scaling.kind == "none" or not POSENCS[model_cfg.posenc.kind].accepts_rope_scaling:
+    return None
+  return {"kind": scaling.kind, "factor": scaling.factor}
 
 
 def write_result(result: dict, path) -> epath.Path:

@@ -5,19 +5,21 @@ embedding_size), H heads, K head dim, F MLP dim, V vocab.
 """
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from roformer.attention import KERNELS, Attention
+from roformer.attention import KERNELS, WINDOW_KINDS, Attention
 from roformer.attention import dropout as _dropout
-from roformer.posenc import make_posenc, validate_posenc
+from roformer.posenc import POSENCS, make_posenc, validate_posenc
 from roformer.posenc_config import PosEncConfig
 
 ACTIVATIONS = ("gelu", "swiglu")
 NORMS = ("layernorm", "rmsnorm")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+EMBED_SCALES = ("auto", "none", "sqrt_d")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +48,12 @@ class ModelConfig:
   # Query/key block of the chunked kernel, and the sequence block of position-wise layers.
   attention_block: int = 512
   attention_window: int = 0  # sliding window: keys within this many positions of the query; 0 = all
+  # "sliding" (|qpos - kpos| < window) or "blockwise" (xPos's BCA: the query's block of `window`
+  # positions and the block before it).
+  attention_window_kind: str = "sliding"
+  # Token-embedding scale: "auto" (the encoding's paper), "none" (BERT: N(0, 0.02^2), unscaled) or
+  # "sqrt_d" (Vaswani / fairseq: N(0, 1/E), multiplied by sqrt(E)).
+  embed_scale: str = "auto"
   posenc: PosEncConfig = PosEncConfig()
 
 
@@ -55,6 +63,13 @@ def resolve_head_dim(cfg: ModelConfig) -> int:
 
 def resolve_num_kv_heads(cfg: ModelConfig) -> int:
   return cfg.num_kv_heads or cfg.num_heads
+
+
+def resolve_embed_scale(cfg: ModelConfig) -> str:
+  """ "none" or "sqrt_d": `model.embed_scale`, with "auto" resolved by the encoding's paper."""
+  if cfg.embed_scale == "auto":
+    return POSENCS[cfg.posenc.kind].paper_embed_scale
+  return cfg.embed_scale
 
 
 def make_model(cfg: ModelConfig, *, rngs: nnx.Rngs) -> "Encoder | Decoder":
@@ -86,6 +101,8 @@ def validate_model(cfg: ModelConfig, *, seq_len: int = 0) -> None:
   _check_choice("model.dtype", cfg.dtype, DTYPES)
   _check_choice("model.param_dtype", cfg.param_dtype, DTYPES)
   _check_choice("model.attention_impl", cfg.attention_impl, KERNELS)
+  _check_choice("model.embed_scale", cfg.embed_scale, EMBED_SCALES)
+  _check_choice("model.attention_window_kind", cfg.attention_window_kind, WINDOW_KINDS)
   for name in ("vocab_size", "num_layers", "emb_dim", "num_heads", "mlp_dim", "attention_block"):
     if getattr(cfg, name) < 1:
       raise ValueError(f"model.{name}={getattr(cfg, name)} must be a positive integer")
@@ -135,7 +152,7 @@ class Encoder(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
     E = cfg.embedding_size or cfg.emb_dim
-    self.embed = _embed(cfg, cfg.vocab_size, E, rngs)
+    self.embed, self.embed_multiplier = _token_embed(cfg, E, rngs)
     self.token_type_embed = (
       _embed(cfg, cfg.type_vocab_size, E, rngs) if cfg.type_vocab_size else None
     )
@@ -185,7 +202,7 @@ class Encoder(nnx.Module):
     cfg = self.cfg
     _check_inputs(tokens_BL, positions_BL, segment_ids_BL, token_type_ids_BL, cfg)
     key = _dropout_key(cfg, deterministic, rngs)
-    x_BLE = self.embed(tokens_BL)
+    x_BLE = self.embed(tokens_BL) * self.embed_multiplier
     if self.token_type_embed is not None:
       types_BL = jnp.zeros_like(tokens_BL) if token_type_ids_BL is None else token_type_ids_BL
       x_BLE = x_BLE + self.token_type_embed(types_BL)
@@ -218,7 +235,7 @@ class Decoder(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
-    self.embed = _embed(cfg, cfg.vocab_size, cfg.emb_dim, rngs)
+    self.embed, self.embed_multiplier = _token_embed(cfg, cfg.emb_dim, rngs)
     self.posenc = _posenc(cfg, cfg.emb_dim, causal=True, rngs=rngs)
     self.layers = nnx.List(
       [Block(cfg, causal=True, pre_norm=True, rngs=rngs) for _ in range(cfg.num_layers)]
@@ -248,7 +265,8 @@ class Decoder(nnx.Module):
     cfg = self.cfg
     _check_inputs(tokens_BL, positions_BL, segment_ids_BL, token_type_ids_BL, cfg)
     key = _dropout_key(cfg, deterministic, rngs)
-    x_BLD = self.posenc.embed(self.embed(tokens_BL), positions_BL).astype(DTYPES[cfg.dtype])
+    x_BLD = self.embed(tokens_BL) * self.embed_multiplier
+    x_BLD = self.posenc.embed(x_BLD, positions_BL).astype(DTYPES[cfg.dtype])
     x_BLD = _dropout(x_BLD, cfg.dropout_rate, _fold(key, 0))
     x_BLD = _run_layers(self.layers, x_BLD, positions_BL, self.posenc, segment_ids_BL, key)
     return _seqwise(lambda _, x: self.final_norm(x), x_BLD, block=cfg.attention_block)
@@ -299,6 +317,7 @@ class Block(nnx.Module):
       impl=cfg.attention_impl,
       block=cfg.attention_block,
       window=cfg.attention_window,
+      window_kind=cfg.attention_window_kind,
       dtype=DTYPES[cfg.dtype],
       param_dtype=DTYPES[cfg.param_dtype],
       rngs=rngs,
@@ -364,15 +383,27 @@ def _posenc(cfg, emb_dim, *, causal, rngs):
   )
 
 
-def _embed(cfg, num, dim, rngs):
+def _embed(cfg, num, dim, rngs, stddev=0.02):
   return nnx.Embed(
     num,
     dim,
     dtype=DTYPES[cfg.dtype],
     param_dtype=DTYPES[cfg.param_dtype],
-    embedding_init=nnx.with_partitioning(nnx.initializers.normal(0.02), ("vocab", "embed")),
+    embedding_init=nnx.with_partitioning(nnx.initializers.normal(stddev), ("vocab", "embed")),
     rngs=rngs,
   )
+
+
+def _token_embed(cfg, dim, rngs):
+  """The word embedding and the multiplier of its output (`model.embed_scale`).
+
+  "none" is BERT's N(0, 0.02^2) table read as is. "sqrt_d" is Vaswani et al.'s and fairseq's
+  N(0, 1/E) table multiplied by sqrt(E), so token vectors have unit variance per dimension, as
+  large as a sinusoidal table added to them; a tied output layer reads the unscaled table.
+  """
+  if resolve_embed_scale(cfg) == "sqrt_d":
+    return _embed(cfg, cfg.vocab_size, dim, rngs, stddev=dim**-0.5), float(math.sqrt(dim))
+  return _embed(cfg, cfg.vocab_size, dim, rngs), 1.0
 
 
 def _linear(cfg, din, dout, names, rngs, use_bias=None):

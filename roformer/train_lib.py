@@ -47,8 +47,20 @@ def make_schedule(optim: OptimConfig, num_train_steps: int) -> optax.Schedule:
 
 
 def decay_mask(params: Any) -> Any:
-  """True for parameters that get weight decay: matrices and tables, not norms or biases."""
-  return jax.tree.map(lambda x: jnp.ndim(x) >= 2, params)
+  """True for parameters that get weight decay: matrices and tables, not norms or biases (also
+  the 2-D [heads, head_dim] attention biases).
+
+  Positional-encoding parameters (the T5 bias table, a learned position table) are never decayed:
+  T5 trains its bias table without weight decay, and fairseq (the ALiBi paper's baselines)
+  decays none of them either; decay would pull every relative bias toward 0.
+  """
+
+  def decays(path, x):
+    names = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+    # Attention biases are [heads, head_dim]: 2-D, yet biases all the same.
+    return jnp.ndim(x) >= 2 and "posenc" not in names and "bias" not in names
+
+  return jax.tree_util.tree_map_with_path(decays, params)
 
 
 def make_optimizer(optim: OptimConfig, num_train_steps: int) -> optax.GradientTransformation:
@@ -363,6 +375,7 @@ def train_and_evaluate(config: Any, workdir: str) -> dict:
         tokenizer=setup.corpus.tokenizer,
         mlm_probability=rc.data.mlm_probability,
         seed=train.seed,
+        packed=rc.data.pack,
       )
     scalars = {
       "eval_loss": result["loss"],

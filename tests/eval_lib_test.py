@@ -193,8 +193,8 @@ class _EmbeddingOnly(nnx.Module):
     self.cfg = ModelConfig(attention_block=block)
     self.embed = nnx.Embed(vocab, dim, rngs=nnx.Rngs(0))
 
-  def hidden(self, tokens_BL, positions_BL, deterministic=True):
-    del positions_BL, deterministic
+  def hidden(self, tokens_BL, positions_BL, segment_ids_BL=None, deterministic=True):
+    del positions_BL, segment_ids_BL, deterministic
     return self.embed(tokens_BL)
 
   def logits(self, h_BLD):

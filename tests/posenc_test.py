@@ -524,7 +524,7 @@ def test_posenc_modules_run_under_jit_as_pytrees(kind):
 @pytest.mark.parametrize("causal", [True, False])
 def test_make_posenc_builds_under_eval_shape_for_every_kind(causal):
   # Restoring a checkpoint or a sharded init builds the model, and so its encoding, in a trace.
-  for kind in [k for k in POSENC_KINDS if causal or k != "xpos"]:  # xpos is causal only
+  for kind in [k for k in POSENC_KINDS if causal or not posenc.POSENCS[k].causal_only]:
     concrete = make(kind, causal=causal)
     abstract = nnx.eval_shape(lambda kind=kind: make(kind, causal=causal))
     assert type(abstract) is type(concrete)
@@ -544,7 +544,7 @@ def test_registry_covers_every_config_kind():
 @pytest.mark.parametrize("kind", POSENC_KINDS)
 @pytest.mark.parametrize("causal", [True, False])
 def test_validate_posenc_accepts_good_configs(kind, causal):
-  if kind == "xpos" and not causal:
+  if posenc.POSENCS[kind].causal_only and not causal:
     return
   posenc.validate_posenc(PosEncConfig(kind=kind), causal=causal, head_dim=64, seq_len=512)
 
@@ -556,6 +556,11 @@ _BAD = [
   (dict(kind="rope"), dict(head_dim=63), r"model.head_dim=63 must be even for posenc.kind='rope'"),
   (dict(kind="xpos"), dict(head_dim=63), r"model.head_dim=63 must be even for posenc.kind='xpos'"),
   (dict(kind="xpos"), dict(causal=False), "posenc.kind='xpos' needs a causal decoder"),
+  (
+    dict(kind="nope"),
+    dict(causal=False),
+    "posenc.kind='nope' needs a causal decoder.*bag of words",
+  ),
   (dict(kind="learned", max_len=128), dict(seq_len=256), "posenc.max_len=128.*'rope', 'alibi'"),
   (dict(scaling=RopeScaling(kind="linear", factor=0.5)), {}, "posenc.scaling.factor=0.5"),
   (dict(scaling=RopeScaling(kind="yarn", factor=0.9)), {}, "posenc.scaling.factor=0.9"),

@@ -7,7 +7,7 @@ from roformer.data.errors import DataError
 from roformer.data.masking import mlm_mask
 from roformer.data.sources import SPLITS, Source, make_source
 from roformer.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, build_tokenizer
-from roformer.data.windows import PROTOCOLS, EvalWindows, eval_windows
+from roformer.data.windows import PROTOCOLS, EvalWindows, eval_windows, right_context
 
 __all__ = [
   "MODEL_KINDS",
@@ -26,6 +26,7 @@ __all__ = [
   "TrainBatches",
   "build_tokenizer",
   "eval_windows",
+  "right_context",
   "load_corpus",
   "make_source",
   "mlm_mask",

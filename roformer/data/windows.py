@@ -30,6 +30,7 @@ class EvalWindows:
     weights: float32 [W, length] 1 where the target is scored (each span target exactly once).
     target_indices: int64 [W, length] the target index t of every slot.
     num_tokens: number of scored targets T (== weights.sum()).
+    span_start, span_end: the scored targets are [span_start, span_end).
   """
 
   inputs: np.ndarray
@@ -38,6 +39,13 @@ class EvalWindows:
   weights: np.ndarray
   target_indices: np.ndarray
   num_tokens: int
+  span_start: int = 0
+  span_end: int = 0
+
+
+def right_context(max_length: int, *, centred: bool) -> int:
+  """Tokens kept after the scored span: half the longest window when windows are centred."""
+  return (max_length + 1) // 2 if centred else 0
 
 
 def span_length(num_available: int, *, max_tokens: int, max_length: int) -> int:
@@ -62,7 +70,14 @@ def span_length(num_available: int, *, max_tokens: int, max_length: int) -> int:
 
 
 def eval_windows(
-  tokens: np.ndarray, *, length: int, protocol: str, stride: int, max_tokens: int, max_length: int
+  tokens: np.ndarray,
+  *,
+  length: int,
+  protocol: str,
+  stride: int,
+  max_tokens: int,
+  max_length: int,
+  centred: bool = False,
 ) -> EvalWindows:
   """Cuts the scored span of `tokens` into next-token windows of `length`.
 
@@ -73,6 +88,11 @@ def eval_windows(
   not divide T, the last window is shifted back to end at the span end and scores only targets not
   yet scored. With stride == length both protocols return identical arrays.
 
+  `centred` (bidirectional encoders) puts the scored `stride` targets of a sliding window in its
+  middle, so each has (length - stride) / 2 tokens of context on either side rather than none on
+  the right; the split then keeps `right_context(max_length)` tokens after the span for every
+  length, so that the span, and the tokens any window reads, do not depend on the length.
+
   Args:
     tokens: int [N] the split's tokens.
     length: window length, 1..max_length.
@@ -80,6 +100,7 @@ def eval_windows(
     stride: sliding: targets scored per window, 1..length (ignored by "nonoverlapping").
     max_tokens: requested number of scored targets.
     max_length: the largest length of the evaluation (sets the prefix and the rounding of T).
+    centred: sliding windows score their middle `stride` targets (encoders).
 
   Returns:
     EvalWindows with arrays [W, length].
@@ -98,13 +119,20 @@ def eval_windows(
     raise DataError(f"stride={stride} must be in [1, length={length}] for sliding windows")
   if max_tokens < 1:
     raise DataError(f"max_tokens={max_tokens} must be >= 1")
-  num_targets = span_length(len(tokens), max_tokens=max_tokens, max_length=max_length)
+  after = right_context(max_length, centred=centred)
+  num_targets = span_length(len(tokens) - after, max_tokens=max_tokens, max_length=max_length)
   span_start, span_end = max_length, max_length + num_targets
   scored = length if protocol == "nonoverlapping" else stride
   first_W = span_start + scored * np.arange(-(-num_targets // scored), dtype=np.int64)
   end_W = np.minimum(first_W + scored, span_end)  # each window's targets end here (exclusive)
-  target_indices_WL = (end_W - length)[:, None] + np.arange(length, dtype=np.int64)
-  weights_WL = (target_indices_WL >= first_W[:, None]).astype(np.float32)
+  if centred and protocol == "sliding":
+    start_W = first_W - (length - scored) // 2
+  else:
+    start_W = end_W - length
+  target_indices_WL = start_W[:, None] + np.arange(length, dtype=np.int64)
+  weights_WL = (
+    (target_indices_WL >= first_W[:, None]) & (target_indices_WL < end_W[:, None])
+  ).astype(np.float32)
   return EvalWindows(
     inputs=np.asarray(tokens[target_indices_WL - 1], dtype=np.int32),
     targets=np.asarray(tokens[target_indices_WL], dtype=np.int32),
@@ -112,4 +140,6 @@ def eval_windows(
     weights=weights_WL,
     target_indices=target_indices_WL,
     num_tokens=num_targets,
+    span_start=span_start,
+    span_end=span_end,
   )

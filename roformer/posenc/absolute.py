@@ -33,7 +33,14 @@ def sinusoidal_embedding(pos_BL: jax.Array, dim: int, max_wavelength: float = 10
 
 
 class Sinusoidal(PosEnc):
-  """Fixed sinusoidal absolute positions (Vaswani et al. 2017), added to the embeddings."""
+  """Fixed sinusoidal absolute positions (Vaswani et al. 2017), added to the embeddings.
+
+  The table has unit amplitude, so its paper scales the token embeddings to match (section 3.4:
+  "we multiply those weights by sqrt(d_model)"; fairseq's N(0, 1/d) table times sqrt(d)). With
+  BERT's N(0, 0.02^2) tokens instead, position outweighs token identity by about 35 to 1.
+  """
+
+  paper_embed_scale = "sqrt_d"
 
   def embed(self, x_BLD, pos_BL):
     """x [B, L, D] + the sinusoidal table at `pos_BL`, in the dtype of x."""

@@ -16,7 +16,21 @@ class PosEnc(nnx.Module):
 
   The model creates one instance, calls `embed` once on the token embeddings and hands the
   instance to every attention layer, which calls `rotate` and `bias` unconditionally.
+
+  Class attributes answer what other code asks of an encoding (never `kind == ...` elsewhere):
+    paper_embed_scale: the token-embedding scale its paper trained with, `model.embed_scale="auto"`
+      ("none": BERT's N(0, 0.02^2) table; "sqrt_d": N(0, 1/d) times sqrt(d), Vaswani / fairseq).
+    accepts_rope_scaling: whether a RoPE context-extension scaling applies to it.
+    causal_only: whether it needs a causal decoder (`check_config` refuses an encoder).
+    paper_eval_window: the attention its paper evaluated long inputs with: "none" (full causal
+      attention) or "blockwise" (xPos's blockwise causal attention at the training length);
+      evaluation labels a curve run without it.
   """
+
+  paper_embed_scale = "none"
+  accepts_rope_scaling = False
+  causal_only = False
+  paper_eval_window = "none"
 
   def __init__(
     self,
@@ -41,7 +55,7 @@ class PosEnc(nnx.Module):
   def check_config(cls, cfg: PosEncConfig, *, causal: bool, head_dim: int, seq_len: int) -> None:
     """Raises ValueError for settings this encoding cannot honour (see `validate_posenc`)."""
     del causal, head_dim, seq_len
-    if cfg.scaling.kind != "none":
+    if cfg.scaling.kind != "none" and not cls.accepts_rope_scaling:
       raise ValueError(
         f"posenc.scaling.kind={cfg.scaling.kind!r} applies only to the rotary encodings "
         f"(posenc.kind in ('rope', 'xpos')), not posenc.kind={cfg.kind!r}; "
@@ -67,7 +81,23 @@ class PosEnc(nnx.Module):
 
 
 class NoPE(PosEnc):
-  """No positional encoding (Kazemnejad et al. 2023): a causal decoder infers order by its mask."""
+  """No positional encoding (Kazemnejad et al. 2023): a causal decoder infers order by its mask.
+
+  Decoders only: without a causal mask, attention and every position-wise layer are
+  permutation-equivariant, so an encoder without positions is exactly a bag of words.
+  """
+
+  causal_only = True
+
+  @classmethod
+  def check_config(cls, cfg: PosEncConfig, *, causal: bool, head_dim: int, seq_len: int) -> None:
+    super().check_config(cfg, causal=causal, head_dim=head_dim, seq_len=seq_len)
+    if not causal:
+      raise ValueError(
+        "posenc.kind='nope' needs a causal decoder (model.kind='decoder'): without a causal mask "
+        "an encoder is permutation-equivariant (a bag of words) and cannot learn word order; "
+        "for an encoder use posenc.kind in ('rope', 'alibi', 't5', 'learned', 'sinusoidal')"
+      )
 
 
 def check_positions(pos: jax.Array, name: str, leading: tuple[int, ...] | None = None) -> None:

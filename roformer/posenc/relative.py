@@ -52,7 +52,11 @@ class Alibi(PosEnc):
   so their positive values never count; softmax makes it equal to fairseq's m * kpos form).
   Encoder: -m |qpos - kpos|. The paper defines no bidirectional form; this is the symmetric
   one of x-transformers and gpt-neox, which penalises distance equally in both directions.
+
+  The paper's models are fairseq's, whose token embeddings are N(0, 1/d) times sqrt(d).
   """
+
+  paper_embed_scale = "sqrt_d"
 
   def __init__(self, cfg: PosEncConfig, *, num_heads: int, **kwargs):
     super().__init__(cfg, num_heads=num_heads, **kwargs)
@@ -114,8 +118,11 @@ class T5Bias(PosEnc):
   """T5's learned relative bias: one scalar per (head, bucket) of key_pos - query_pos.
 
   One instance (one table) serves every layer, as in T5. Buckets are bidirectional for an
-  encoder and causal for a decoder.
+  encoder and causal for a decoder. T5's token embeddings are N(0, 1) and unscaled, and its tied
+  output layer first multiplies by d^-0.5: the forward pass of "sqrt_d" (N(0, 1/d) times sqrt(d)).
   """
+
+  paper_embed_scale = "sqrt_d"
 
   def __init__(self, cfg: PosEncConfig, *, num_heads: int, rngs: nnx.Rngs, **kwargs):
     super().__init__(cfg, num_heads=num_heads, rngs=rngs, **kwargs)

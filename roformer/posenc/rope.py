@@ -5,6 +5,8 @@ position such as 65,537 is not even representable, so reduced-precision angles a
 whole turns. Rotation happens in float32 and the result is cast back to the input dtype.
 """
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -123,6 +125,8 @@ class Rope(PosEnc):
   one `rotate` call must be the whole sequence the frequencies should adapt to.
   """
 
+  accepts_rope_scaling = True
+
   def __init__(self, cfg: PosEncConfig, *, head_dim: int, **kwargs):
     super().__init__(cfg, head_dim=head_dim, **kwargs)
     self.rotary_dims = rotary_dims(head_dim, cfg.rope_fraction)
@@ -186,10 +190,16 @@ class XPos(Rope):
   distance when keys precede queries (hence causal only). The position n is centred by a
   per-row constant c = (min(kpos) + max(kpos)) // 2 before scaling: c cancels in every q.k
   product of one `rotate` call, so scores are unchanged, while the scales stay finite far from
-  position 0 (|n - c| is at most half the key span; a row's span must stay below about
-  176 * scale_base / ln(1/zeta_0) positions, ~72k for the defaults). Queries and keys that meet
+  position 0 (|n - c| is at most half the key span; a longer span than `xpos_max_span`, about
+  65k positions for the defaults, is refused rather than overflowing). Queries and keys that meet
   in one attention must therefore be rotated in the same call. Scales are float32.
+
+  The paper's extrapolation results use blockwise causal attention (BCA) at inference, which
+  `eval.py --bca` applies; curves without it are labelled "no BCA".
   """
+
+  causal_only = True
+  paper_eval_window = "blockwise"
 
   @classmethod
   def check_config(cls, cfg: PosEncConfig, *, causal: bool, head_dim: int, seq_len: int) -> None:
@@ -204,6 +214,8 @@ class XPos(Rope):
       raise ValueError(f"posenc.xpos_gamma={cfg.xpos_gamma} must be > 0")
     if not cfg.xpos_scale_base > 0:
       raise ValueError(f"posenc.xpos_scale_base={cfg.xpos_scale_base} must be > 0")
+    if seq_len > xpos_max_span(cfg):
+      raise ValueError(_xpos_span_message(seq_len, cfg))
 
   def log_zeta(self) -> np.ndarray:
     """ln zeta_i, float32 [d/2]."""
@@ -216,6 +228,8 @@ class XPos(Rope):
 
     Keys get the inverse power; both are multiplied by the scaling's attention factor.
     """
+    if kpos_BS.shape[1] > xpos_max_span(self.cfg):
+      raise ValueError(_xpos_span_message(kpos_BS.shape[1], self.cfg))
     # Per-row centre; integer arithmetic so that n - c is exact.
     c_B1 = ((jnp.min(kpos_BS, axis=1) + jnp.max(kpos_BS, axis=1)) // 2)[:, None]
     log_zeta_11k = jnp.asarray(self.log_zeta())[None, None, :]
@@ -225,3 +239,27 @@ class XPos(Rope):
     scale_q = jnp.exp(nq_BL1 * log_zeta_11k) * attention_factor
     scale_k = jnp.exp(-nk_BS1 * log_zeta_11k) * attention_factor
     return scale_q, scale_k
+
+
+# Largest |ln scale| xPos may reach: float32 overflows at exp(88.7), and the slack leaves room for
+# query components up to e^8 before the scaled query turns infinite (and q.k NaN).
+_XPOS_MAX_LOG_SCALE = 80.0
+
+
+def xpos_max_span(cfg: PosEncConfig) -> int:
+  """The longest span of positions one xPos `rotate` call can scale in float32.
+
+  Centred positions reach +-span/2, and the largest scale is zeta_0^(-span / (2 scale_base)) with
+  zeta_0 = gamma / (1 + gamma), the smallest zeta (about 65k positions for the defaults).
+  """
+  log_inv_zeta0 = math.log((1.0 + cfg.xpos_gamma) / cfg.xpos_gamma)
+  return int(2 * _XPOS_MAX_LOG_SCALE * cfg.xpos_scale_base / log_inv_zeta0)
+
+
+def _xpos_span_message(length: int, cfg: PosEncConfig) -> str:
+  return (
+    f"length {length} exceeds the {xpos_max_span(cfg)} positions posenc.kind='xpos' can scale in "
+    f"float32 (posenc.xpos_scale_base={cfg.xpos_scale_base}, posenc.xpos_gamma={cfg.xpos_gamma}): "
+    "its scales zeta^(n/scale_base) would overflow into NaN; evaluate shorter windows or raise "
+    "posenc.xpos_scale_base"
+  )
