@@ -66,13 +66,13 @@ def get_config() -> ml_collections.ConfigDict:
   # Sliding-window attention: keys within this many positions of the query (0 = all keys).
   model.attention_window = 0
   # How attention_window limits keys: "sliding" (within attention_window positions of the query)
-  # or "blockwise" (xPos's blockwise causal attention: the query's block of attention_window
+  # or "blockwise" (xPos's blockwise causal attention: the query's block of attention_window / 2
   # positions and the block before it).
   model.attention_window_kind = "sliding"
-  # Token embeddings: "auto" = as the encoding's paper ("sqrt_d" for sinusoidal, alibi and t5;
-  # "none" for learned, rope, xpos and nope; see docs/fidelity.md), "none" = BERT's N(0, 0.02^2)
-  # unscaled, "sqrt_d" = N(0, 1/d) multiplied by sqrt(d) (Vaswani et al., fairseq). Comparisons
-  # set one value for every encoding.
+  # Token embeddings: "auto" = as the encoding's paper ("none" for learned and rope, "sqrt_d" for
+  # the others; see docs/fidelity.md), "none" = BERT's N(0, 0.02^2) unscaled (a learned position
+  # table likewise), "sqrt_d" = N(0, 1/d) multiplied by sqrt(d) (Vaswani et al., fairseq; a
+  # learned position table N(0, 1/d) unscaled). Comparisons set one value for every encoding.
   model.embed_scale = "auto"
 
   # ---- posenc: the positional encoding (one field picks it; every kind's fields are here) ----

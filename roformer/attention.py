@@ -55,9 +55,10 @@ def attention_mask(
     window: if > 0, limits the keys by `window_kind`.
     window_kind: "sliding": keys within `window` positions of the query (|qpos - kpos| < window,
       which for causal attention is qpos - kpos < window). "blockwise": xPos's blockwise causal
-      attention (BCA): positions fall in blocks of `window`, and a query sees keys of its own
-      block and of the block before (kpos // window >= qpos // window - 1), so between `window`
-      and 2 * `window` keys.
+      attention (BCA, the LeX code): positions fall in blocks of window / 2, and a query sees
+      keys of its own block and of the block before (kpos // b >= qpos // b - 1 with
+      b = window // 2), so between window / 2 and `window` keys and no distance of `window` or
+      more; inputs of at most `window` positions see every earlier key.
 
   Returns:
     bool [B, L, S].
@@ -70,7 +71,8 @@ def attention_mask(
   if causal:
     mask_BLS &= kpos_B1S <= qpos_BL1
   if window > 0 and window_kind == "blockwise":
-    mask_BLS &= kpos_B1S // window >= qpos_BL1 // window - 1
+    half = max(1, window // 2)
+    mask_BLS &= kpos_B1S // half >= qpos_BL1 // half - 1
   elif window > 0:
     mask_BLS &= jnp.abs(qpos_BL1 - kpos_B1S) < window
   return mask_BLS

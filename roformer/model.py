@@ -48,8 +48,8 @@ class ModelConfig:
   # Query/key block of the chunked kernel, and the sequence block of position-wise layers.
   attention_block: int = 512
   attention_window: int = 0  # sliding window: keys within this many positions of the query; 0 = all
-  # "sliding" (|qpos - kpos| < window) or "blockwise" (xPos's BCA: the query's block of `window`
-  # positions and the block before it).
+  # "sliding" (|qpos - kpos| < window) or "blockwise" (xPos's BCA: the query's block of
+  # window / 2 positions and the block before it).
   attention_window_kind: str = "sliding"
   # Token-embedding scale: "auto" (the encoding's paper), "none" (BERT: N(0, 0.02^2), unscaled) or
   # "sqrt_d" (Vaswani / fairseq: N(0, 1/E), multiplied by sqrt(E)).
@@ -379,6 +379,7 @@ def _posenc(cfg, emb_dim, *, causal, rngs):
     emb_dim=emb_dim,
     causal=causal,
     param_dtype=DTYPES[cfg.param_dtype],
+    embed_init_std=emb_dim**-0.5 if resolve_embed_scale(cfg) == "sqrt_d" else 0.02,
     rngs=rngs,
   )
 

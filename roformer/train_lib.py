@@ -20,6 +20,7 @@ from roformer import checkpoint, config_lib, eval_lib, metrics_log, sharding
 from roformer import data as data_lib
 from roformer import model as model_lib
 from roformer.config_lib import ConfigError, OptimConfig, RunConfig
+from roformer.posenc import POSENCS
 
 
 class NonFiniteLossError(RuntimeError):
@@ -46,32 +47,37 @@ def make_schedule(optim: OptimConfig, num_train_steps: int) -> optax.Schedule:
   return optax.join_schedules([warmup, decay], [optim.warmup_steps])
 
 
-def decay_mask(params: Any) -> Any:
+def decay_mask(params: Any, *, decay_posenc: bool = False) -> Any:
   """True for parameters that get weight decay: matrices and tables, not norms or biases (also
   the 2-D [heads, head_dim] attention biases).
 
-  Positional-encoding parameters (the T5 bias table, a learned position table) are never decayed:
-  T5 trains its bias table without weight decay, and fairseq (the ALiBi paper's baselines)
-  decays none of them either; decay would pull every relative bias toward 0.
+  Positional-encoding parameters get it only when `decay_posenc` (the encoding's
+  `decays_parameters`): BERT decays its learned position table, while T5 trains its bias table
+  without weight decay; decay would pull every relative bias toward 0.
   """
 
   def decays(path, x):
     names = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+    if "posenc" in names and not decay_posenc:
+      return False
     # Attention biases are [heads, head_dim]: 2-D, yet biases all the same.
-    return jnp.ndim(x) >= 2 and "posenc" not in names and "bias" not in names
+    return jnp.ndim(x) >= 2 and "bias" not in names
 
   return jax.tree_util.tree_map_with_path(decays, params)
 
 
-def make_optimizer(optim: OptimConfig, num_train_steps: int) -> optax.GradientTransformation:
-  """AdamW with the schedule, weight decay masked off 1-D parameters, global-norm clipping."""
+def make_optimizer(
+  optim: OptimConfig, num_train_steps: int, *, decay_posenc: bool = False
+) -> optax.GradientTransformation:
+  """AdamW with the schedule, weight decay masked off 1-D parameters (and off positional-encoding
+  parameters unless `decay_posenc`), global-norm clipping."""
   adamw = optax.adamw(
     make_schedule(optim, num_train_steps),
     b1=optim.b1,
     b2=optim.b2,
     eps=optim.eps,
     weight_decay=optim.weight_decay,
-    mask=decay_mask,
+    mask=functools.partial(decay_mask, decay_posenc=decay_posenc),
   )
   if optim.grad_clip_norm > 0:
     return optax.chain(optax.clip_by_global_norm(optim.grad_clip_norm), adamw)
@@ -313,7 +319,11 @@ def train_and_evaluate(config: Any, workdir: str) -> dict:
     config_lib.write_config_json(workdir, rc)
 
   mesh, rules = setup.mesh, setup.rules
-  tx = make_optimizer(optim, train.num_train_steps)
+  tx = make_optimizer(
+    optim,
+    train.num_train_steps,
+    decay_posenc=POSENCS[rc.model.posenc.kind].decays_parameters,
+  )
   manager = checkpoint.make_manager(workdir, keep=train.keep_checkpoints)
   latest = manager.latest_step()
   start_step = latest or 0

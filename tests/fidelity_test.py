@@ -36,6 +36,8 @@ def _model(kind="decoder", posenc="sinusoidal", **fields):
     ("sinusoidal", "sqrt_d"),
     ("alibi", "sqrt_d"),
     ("t5", "sqrt_d"),
+    ("xpos", "sqrt_d"),
+    ("nope", "sqrt_d"),
     ("learned", "none"),
     ("rope", "none"),
   ],
@@ -81,15 +83,24 @@ def test_embed_scale_rejects_unknown_values():
 # ---- Weight decay ----
 
 
-@pytest.mark.parametrize("posenc", ["t5", "learned"])
-def test_position_tables_and_attention_biases_get_no_weight_decay(posenc):
-  model = _model(posenc=posenc)
-  mask = train_lib.decay_mask(nnx.state(model, nnx.Param))
-  flat = {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_leaves_with_path(mask)}
-  assert not flat["['posenc']['table'].value"]
-  assert not flat["['layers'][0]['attn']['query']['bias'].value"]  # [H, K], still a bias
-  assert flat["['layers'][0]['attn']['query']['kernel'].value"]
-  assert flat["['embed']['embedding'].value"]
+def test_position_tables_get_weight_decay_only_as_their_papers_did():
+  # T5 trains its bias table without decay; BERT decays its learned table like any other.
+  for posenc, decayed in (("t5", False), ("learned", True)):
+    model = _model(posenc=posenc)
+    decay = POSENCS[posenc].decays_parameters
+    assert decay == decayed
+    mask = train_lib.decay_mask(nnx.state(model, nnx.Param), decay_posenc=decay)
+    flat = {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_leaves_with_path(mask)}
+    assert flat["['posenc']['table'].value"] == decayed
+    assert not flat["['layers'][0]['attn']['query']['bias'].value"]  # [H, K], still a bias
+    assert flat["['layers'][0]['attn']['query']['kernel'].value"]
+    assert flat["['embed']['embedding'].value"]
+
+
+def test_learned_table_is_initialised_like_the_tokens():
+  assert float(jnp.std(_model(posenc="learned").posenc.table[...])) == pytest.approx(0.02, rel=0.1)
+  fairseq = _model(posenc="learned", embed_scale="sqrt_d")
+  assert float(jnp.std(fairseq.posenc.table[...])) == pytest.approx(D**-0.5, rel=0.1)
 
 
 # ---- Causal-only encodings ----
@@ -130,15 +141,17 @@ def test_xpos_refuses_spans_its_float32_scales_cannot_hold():
 # ---- Blockwise causal attention (xPos) ----
 
 
-def test_blockwise_window_sees_its_block_and_the_previous_one():
+def test_blockwise_window_sees_its_half_block_and_the_previous_one():
   pos_1L = jnp.arange(12)[None]
   mask_LS = np.asarray(
-    attention.attention_mask(pos_1L, pos_1L, causal=True, window=4, window_kind="blockwise")[0]
+    attention.attention_mask(pos_1L, pos_1L, causal=True, window=8, window_kind="blockwise")[0]
   )
-  # Query 9 is in block 2 (8..11): keys 4..9. Query 3 is in block 0: keys 0..3.
+  # Blocks of 4: query 9 (block 2, 8..11) sees keys 4..9; query 7 (block 1) sees 0..7, as does
+  # every query of an input no longer than the window.
   np.testing.assert_array_equal(np.flatnonzero(mask_LS[9]), np.arange(4, 10))
-  np.testing.assert_array_equal(np.flatnonzero(mask_LS[3]), np.arange(0, 4))
-  np.testing.assert_array_equal(np.flatnonzero(mask_LS[4]), np.arange(0, 5))
+  np.testing.assert_array_equal(np.flatnonzero(mask_LS[7]), np.arange(0, 8))
+  np.testing.assert_array_equal(np.flatnonzero(mask_LS[11]), np.arange(4, 12))
+  assert max(i - np.flatnonzero(row).min() for i, row in enumerate(mask_LS)) < 8
   sliding = np.asarray(attention.attention_mask(pos_1L, pos_1L, causal=True, window=4)[0])
   np.testing.assert_array_equal(np.flatnonzero(sliding[9]), np.arange(6, 10))
 

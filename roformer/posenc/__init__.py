@@ -61,6 +61,7 @@ def make_posenc(
   emb_dim: int,
   causal: bool,
   param_dtype=jnp.float32,
+  embed_init_std: float = 0.02,
   rngs: nnx.Rngs,
 ) -> PosEnc:
   """Validates `cfg` and builds the encoding `POSENCS[cfg.kind]` (one per model)."""
@@ -72,6 +73,7 @@ def make_posenc(
     emb_dim=emb_dim,
     causal=causal,
     param_dtype=param_dtype,
+    embed_init_std=embed_init_std,
     rngs=rngs,
   )
 

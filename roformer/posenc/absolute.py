@@ -52,13 +52,17 @@ class Sinusoidal(PosEnc):
 class Learned(PosEnc):
   """A learned table of posenc.max_len absolute positions (BERT), added to the embeddings.
 
+  Initialised like the token table it is added to: N(0, 0.02^2) as BERT, or N(0, 1/d) as
+  fairseq's learned positions when tokens are N(0, 1/d) times sqrt(d). BERT decays it like any
+  other table (only LayerNorm and biases are excluded), so it keeps its weight decay.
+
   Positions at or past max_len have no row: a longer input is a ValueError at trace time, and
   an out-of-range position inside a shorter input reads NaN instead of a silently clamped row.
   """
 
   def __init__(self, cfg: PosEncConfig, *, emb_dim: int, rngs: nnx.Rngs, **kwargs):
     super().__init__(cfg, emb_dim=emb_dim, rngs=rngs, **kwargs)
-    init = nnx.with_partitioning(nnx.initializers.normal(stddev=0.02), (None, "embed"))
+    init = nnx.with_partitioning(nnx.initializers.normal(self.embed_init_std), (None, "embed"))
     self.table = nnx.Param(init(rngs.params(), (cfg.max_len, emb_dim), self.param_dtype))
 
   @classmethod
@@ -68,6 +72,8 @@ class Learned(PosEnc):
       raise ValueError(f"posenc.max_len={cfg.max_len} must be > 0 for posenc.kind='learned'")
     if seq_len > cfg.max_len:
       raise ValueError(_too_long_message(seq_len, cfg.max_len))
+
+  decays_parameters = True
 
   def embed(self, x_BLD, pos_BL):
     """x [B, L, D] + table[pos], in the dtype of x; raises if L > posenc.max_len."""

@@ -22,6 +22,7 @@ class PosEnc(nnx.Module):
       ("none": BERT's N(0, 0.02^2) table; "sqrt_d": N(0, 1/d) times sqrt(d), Vaswani / fairseq).
     accepts_rope_scaling: whether a RoPE context-extension scaling applies to it.
     causal_only: whether it needs a causal decoder (`check_config` refuses an encoder).
+    decays_parameters: whether its parameters get weight decay as its paper trained them.
     paper_eval_window: the attention its paper evaluated long inputs with: "none" (full causal
       attention) or "blockwise" (xPos's blockwise causal attention at the training length);
       evaluation labels a curve run without it.
@@ -30,6 +31,7 @@ class PosEnc(nnx.Module):
   paper_embed_scale = "none"
   accepts_rope_scaling = False
   causal_only = False
+  decays_parameters = False
   paper_eval_window = "none"
 
   def __init__(
@@ -41,9 +43,11 @@ class PosEnc(nnx.Module):
     emb_dim: int,
     causal: bool,
     param_dtype=jnp.float32,
+    embed_init_std: float = 0.02,
     rngs: nnx.Rngs,
   ):
     del rngs  # only encodings with parameters draw from it
+    self.embed_init_std = embed_init_std  # std of tables added to the token embeddings
     self.cfg = cfg
     self.num_heads = num_heads
     self.head_dim = head_dim
@@ -88,6 +92,8 @@ class NoPE(PosEnc):
   """
 
   causal_only = True
+  # The paper's models are Hugging Face T5 decoders: tokens N(0, 1), tied logits times d^-0.5.
+  paper_embed_scale = "sqrt_d"
 
   @classmethod
   def check_config(cls, cfg: PosEncConfig, *, causal: bool, head_dim: int, seq_len: int) -> None:

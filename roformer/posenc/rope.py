@@ -200,6 +200,8 @@ class XPos(Rope):
 
   causal_only = True
   paper_eval_window = "blockwise"
+  # The paper's language models are torchscale's fairseq ones: tokens N(0, 1/d) times sqrt(d).
+  paper_embed_scale = "sqrt_d"
 
   @classmethod
   def check_config(cls, cfg: PosEncConfig, *, causal: bool, head_dim: int, seq_len: int) -> None:

