@@ -1,0 +1,185 @@
+"""The grids' outputs: results.csv, table.md and the plots, from the runs' records."""
+
+from __future__ import annotations
+
+import math
+import pathlib
+from collections.abc import Sequence
+
+import grid
+
+from roformer import eval_plot
+
+
+def _fmt(value: float | None) -> str:
+  if value is None:
+    return "–"
+  return f"{value:.2f}" if value < 1000 and math.isfinite(value) else f"{value:.3g}"
+
+
+def _ppl(rows, **where) -> float | None:
+  row = grid.lookup(rows, **where)
+  return None if row is None else float(row["ppl"])
+
+
+def _wall_table(records: Sequence[dict]) -> list[str]:
+  lines = ["| run | budget | training time (min) |", "|---|---|---|"]
+  total = 0.0
+  for r in records:
+    if "train_seconds" in r:
+      total += r["train_seconds"]
+      lines.append(f"| {r['run']} | {r['budget']} | {r['train_seconds'] / 60:.1f} |")
+  lines.append(f"| all | | {total / 60:.1f} |")
+  return lines
+
+
+def write_extrapolation(records: Sequence[dict], out: pathlib.Path, *, seq_len: int, scale: str):
+  """results.csv, table.md, encodings.png and scalings.png of the extrapolation grid."""
+  rows = grid.csv_rows(records)
+  grid.write_csv(rows, out / "results.csv")
+  lengths = sorted({int(r["length"]) for r in rows})
+  full = [r for r in records if r.get("budget") == "full" and "evaluations" in r]
+  lines = [f"# Length extrapolation ({scale} scale, training length {seq_len})", ""]
+  for protocol in ("nonoverlapping", "sliding"):
+    lines += [
+      f"## Perplexity, {protocol} windows" + (" (stride L/4)" if protocol == "sliding" else ""),
+      "",
+      "| encoding | " + " | ".join(str(n) for n in lengths) + " |",
+      "|---|" + "---|" * len(lengths),
+    ]
+    for r in full:
+      for ev in r["evaluations"]:
+        if ev["scaling"] not in ("none", "bca"):
+          continue
+        name = r["run"] + (" (BCA)" if ev["scaling"] == "bca" else "")
+        if r["encoding"] == "xpos" and ev["scaling"] == "none":
+          name += " (no BCA)"
+        cells = [
+          _fmt(_ppl(rows, run=r["run"], scaling=ev["scaling"], length=n, protocol=protocol))
+          for n in lengths
+        ]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines.append("")
+  lines += [
+    "## RoPE scalings (non-overlapping windows; factor = length / L at evaluation)",
+    "",
+    "| run | scaling | " + " | ".join(str(n) for n in lengths) + " |",
+    "|---|---|" + "---|" * len(lengths),
+  ]
+  for r in records:
+    if r.get("encoding") != "rope" or r.get("budget") == "short" or "evaluations" not in r:
+      continue
+    for ev in r["evaluations"]:
+      cells = [
+        _fmt(_ppl(rows, run=r["run"], scaling=ev["scaling"], length=n, protocol="nonoverlapping"))
+        for n in lengths
+      ]
+      label = ev["scaling"] if r["budget"] == "full" else f"fine-tuned at 2L ({r['run']})"
+      lines.append(f"| {r['run']} | {label} | " + " | ".join(cells) + " |")
+  lines += ["", "## Training budget: perplexity at L (non-overlapping)", ""]
+  lines += ["| encoding | short budget | ratio to rope | full budget | ratio to rope |"]
+  lines += ["|---|---|---|---|---|"]
+  for r in full:
+    enc = r["encoding"]
+    short = _ppl(rows, run=f"{enc}_short", length=seq_len, protocol="nonoverlapping")
+    long = _ppl(rows, run=enc, scaling="none", length=seq_len, protocol="nonoverlapping")
+    rope_short = _ppl(rows, run="rope_short", length=seq_len, protocol="nonoverlapping")
+    rope_long = _ppl(rows, run="rope", scaling="none", length=seq_len, protocol="nonoverlapping")
+    ratio_s = short / rope_short if short and rope_short else None
+    ratio_l = long / rope_long if long and rope_long else None
+    lines.append(f"| {enc} | {_fmt(short)} | {_fmt(ratio_s)} | {_fmt(long)} | {_fmt(ratio_l)} |")
+  lines += ["", "## Wall time", ""] + _wall_table(records) + [""]
+  (out / "table.md").write_text("\n".join(lines))
+
+  def label(record, ev):
+    name = record["run"]
+    notes = list(ev["result"].get("notes", []))
+    return f"{name} ({', '.join(notes)})" if notes else name
+
+  encodings = grid.eval_lines(
+    records,
+    lambda r, ev: r.get("budget") == "full" and ev["scaling"] in ("none", "bca"),
+    label,
+  )
+  if encodings:
+    eval_plot.plot_runs(
+      [(lab, res, seq_len) for lab, res in encodings],
+      out / "encodings.png",
+      title=f"Perplexity vs length, every encoding ({scale} scale)",
+    )
+  scalings = grid.eval_lines(
+    records,
+    lambda r, ev: r.get("encoding") == "rope" and r.get("budget") != "short",
+    lambda r, ev: f"{r['run']} + {ev['scaling']} (auto)" if ev["scaling"] != "none" else r["run"],
+  )
+  if scalings:
+    eval_plot.plot_runs(
+      [(lab, _protocol_only(res, "nonoverlapping"), seq_len) for lab, res in scalings],
+      out / "scalings.png",
+      title=f"RoPE context extension ({scale} scale)",
+    )
+
+
+def _protocol_only(result: dict, protocol: str) -> dict:
+  return {**result, "records": [r for r in result["records"] if r["protocol"] == protocol]}
+
+
+def write_mlm(records: Sequence[dict], out: pathlib.Path, *, seq_len: int, scale: str):
+  """results.csv (with accuracy), table.md and curves.png of the MLM grid."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  rows = []
+  for record in records:
+    for ev in record.get("evaluations", []):
+      for r in ev["result"]["records"]:
+        row = {"run": record["run"], "encoding": record["encoding"], "length": r["length"]}
+        row["protocol"] = r["protocol"]
+        if "skipped" in r:
+          row["skipped"] = r["skipped"].split(";")[0]
+        else:
+          row.update(loss=f"{r['loss']:.6f}", accuracy=f"{r['accuracy']:.6f}", tokens=r["tokens"])
+        rows.append(row)
+  columns = ("run", "encoding", "length", "protocol", "loss", "accuracy", "tokens", "skipped")
+  grid.write_csv(rows, out / "results.csv", columns)
+  lengths = sorted({int(r["length"]) for r in rows})
+  lines = [f"# Masked-LM comparison ({scale} scale, training length {seq_len})", ""]
+  lines += ["Masked-token loss (nats) / accuracy, non-overlapping windows.", ""]
+  lines += ["| encoding | " + " | ".join(str(n) for n in lengths) + " |"]
+  lines += ["|---|" + "---|" * len(lengths)]
+  for record in records:
+    if "skipped" in record:
+      lines.append(f"| {record['run']} | refused: {record['skipped']} |")
+      continue
+    cells = []
+    for n in lengths:
+      row = grid.lookup(rows, run=record["run"], length=n, protocol="nonoverlapping")
+      if row is None or "loss" not in row:
+        cells.append("skipped" if row else "–")
+      else:
+        cells.append(f"{float(row['loss']):.3f} / {float(row['accuracy']):.3f}")
+    lines.append(f"| {record['run']} | " + " | ".join(cells) + " |")
+  lines += ["", "## Wall time", ""] + _wall_table(records) + [""]
+  (out / "table.md").write_text("\n".join(lines))
+
+  fig, (ax_train, ax_eval) = plt.subplots(1, 2, figsize=(12, 4.5), constrained_layout=True)
+  for record in records:
+    metrics = record.get("metrics", [])
+    train = [(m["step"], m["train_loss"]) for m in metrics if "train_loss" in m]
+    evals = [(m["step"], m["eval_loss"]) for m in metrics if "eval_loss" in m]
+    if train:
+      ax_train.plot(*zip(*train, strict=True), label=record["run"])
+    if evals:
+      ax_eval.plot(*zip(*evals, strict=True), marker="o", markersize=3, label=record["run"])
+  for ax, title in ((ax_train, "training MLM loss"), (ax_eval, "validation MLM loss at L")):
+    ax.set_xlabel("step")
+    ax.set_ylabel("masked-token loss (nats)")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    if ax.lines:
+      ax.legend(fontsize=8)
+  fig.suptitle(f"MLM loss curves ({scale} scale; RoFormer paper Fig. 3)")
+  fig.savefig(out / "curves.png", dpi=120)
+  plt.close(fig)
