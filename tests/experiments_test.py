@@ -1,0 +1,77 @@
+"""The reproduction grids at --scale=tiny: every output file, and a rerun that resumes."""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _run(script, out, workroot, *extra):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  return subprocess.run(
+    [sys.executable, str(REPO / "experiments" / script), "--scale=tiny", f"--out={out}",
+     f"--workroot={workroot}", *extra],
+    capture_output=True, text=True, env=env, timeout=900, check=False,
+  )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_extrapolation_grid_writes_every_output_and_resumes(tmp_path):
+  out, workroot = tmp_path / "out", tmp_path / "runs"
+  proc = _run("extrapolation.py", out, workroot)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  runs = {p.stem for p in out.glob("*.json")}
+  encodings = {"sinusoidal", "learned", "t5", "alibi", "rope", "xpos", "nope"}
+  assert runs == encodings | {f"{e}_short" for e in encodings} | {"rope_linear_2x", "rope_yarn_2x"}
+  for name in ("results.csv", "table.md", "encodings.png", "scalings.png"):
+    assert (out / name).stat().st_size > 0, name
+  with (out / "results.csv").open() as f:
+    rows = list(csv.DictReader(f))
+  assert list(rows[0]) == [
+    "run",
+    "encoding",
+    "scaling",
+    "length",
+    "protocol",
+    "loss",
+    "ppl",
+    "tokens",
+  ]
+  assert {r["scaling"] for r in rows if r["run"] == "rope"} == {
+    "none", "linear", "ntk", "dynamic", "yarn", "llama3"
+  }  # fmt: skip
+  assert {r["scaling"] for r in rows if r["run"] == "xpos"} == {"none", "bca"}
+  # Learned positions have no row past their table; every other encoding reaches 2L.
+  assert max(int(r["length"]) for r in rows if r["run"] == "learned") == 16
+  assert max(int(r["length"]) for r in rows if r["run"] == "nope") == 32
+  fine_tune = json.loads((out / "rope_yarn_2x.json").read_text())
+  assert fine_tune["overrides"]["train.init_from"].endswith("rope")
+  assert "xpos (no BCA)" in (out / "table.md").read_text()
+  # A rerun finds every run done and only rewrites the report.
+  rerun = _run("extrapolation.py", out, workroot)
+  assert rerun.returncode == 0, rerun.stderr[-3000:]
+  assert rerun.stdout.count("done (skipped)") == len(runs)
+
+
+@pytest.mark.slow
+def test_mlm_grid_writes_every_output_and_records_refused_encodings(tmp_path):
+  out = tmp_path / "out"
+  proc = _run("mlm.py", out, tmp_path / "runs")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  for name in ("results.csv", "table.md", "curves.png"):
+    assert (out / name).stat().st_size > 0, name
+  nope = json.loads((out / "nope.json").read_text())
+  assert "causal-only" in nope["skipped"]
+  rope = json.loads((out / "rope.json").read_text())
+  assert any("eval_loss" in m for m in rope["metrics"])
+  with (out / "results.csv").open() as f:
+    rows = list(csv.DictReader(f))
+  learned = {int(r["length"]): r for r in rows if r["run"] == "learned"}
+  assert learned[16]["accuracy"] and learned[32]["skipped"]
+  assert all(r["accuracy"] for r in rows if r["run"] == "rope")
