@@ -14,6 +14,7 @@ from etils import epath
 from roformer import checkpoint, config_lib, eval_lib, eval_plot
 from roformer import data as data_lib
 from roformer import model as model_lib
+from roformer import workdir as workdir_lib
 from roformer.eval_lib import PROTOCOLS
 from roformer.eval_plot import DEFAULT_NAME
 from roformer.posenc_config import SCALING_KINDS, RopeScaling
@@ -36,11 +37,17 @@ def output_name(
   *,
   split: str = "validation",
   data_files: str = "",
+  lengths: Sequence[int] = (),
+  default: Sequence[int] = (),
+  protocol: str = "both",
+  stride: int = 0,
 ) -> str:
   """NAME of DIR/eval/NAME.json: `out`, else ppl_vs_length with a suffix per non-default choice.
 
-  Evaluating other text (`_files`), the test split (`_test`) or with a RoPE scaling
-  (`_<scaling>_<factor>`) never overwrites the plain validation result.
+  Evaluating other text (`_files`), the test split (`_test`), other lengths (`_len256-512`), one
+  protocol (`_sliding`), a stride (`_stride64`) or a RoPE scaling (`_<scaling>_<factor>`) never
+  overwrites the plain validation result. `default` is the default length list (`lengths` equal
+  to it, or empty, add nothing).
   """
   if out:
     return out
@@ -49,6 +56,13 @@ def output_name(
     name += "_files"
   elif split != "validation":
     name += f"_{split}"
+  lengths = sorted(set(int(x) for x in lengths))
+  if lengths and lengths != sorted(default):
+    name += "_len" + "-".join(str(x) for x in lengths)
+  if protocol != "both":
+    name += f"_{protocol}"
+  if stride and protocol != "nonoverlapping":
+    name += f"_stride{stride}"
   if rope_scaling != "none":
     name += f"_{rope_scaling}_{rope_factor:g}"
   return name
@@ -177,6 +191,7 @@ def evaluate_workdir(
   rope_factor: float = 1.0,
   data_files: str = "",
   out: str = "",
+  overwrite: bool = False,
   log: Callable[[str], None] = print,
 ) -> tuple[dict, epath.Path]:
   """Evaluates a run's checkpoint at several lengths; writes DIR/eval/NAME.json and NAME.png.
@@ -193,6 +208,7 @@ def evaluate_workdir(
     rope_scaling, rope_factor: a RoPE scaling applied at evaluation ("none" = as trained).
     data_files: a glob of other text, tokenized with the run's tokenizer.
     out: NAME; default `output_name(...)`.
+    overwrite: replace an existing DIR/eval/NAME.json (else that is an error, before any work).
     log: where progress lines go.
 
   Returns:
@@ -201,9 +217,26 @@ def evaluate_workdir(
   protocols = PROTOCOLS if protocol == "both" else (protocol,)
   if any(p not in PROTOCOLS for p in protocols):
     raise ValueError(f"--protocol must be one of {PROTOCOLS + ('both',)}, got {protocol!r}")
-  workdir = epath.Path(workdir)
+  workdir = epath.Path(workdir_lib.resolve(str(workdir)))
   run_config = config_lib.load_run_config(workdir)
   seq_len = run_config.data.seq_len
+  name = output_name(
+    out,
+    rope_scaling,
+    rope_factor,
+    split=split,
+    data_files=data_files,
+    lengths=lengths,
+    default=default_lengths(seq_len),
+    protocol=protocol,
+    stride=stride,
+  )
+  json_path = workdir / "eval" / f"{name}.json"
+  if json_path.exists() and not overwrite:
+    raise FileExistsError(
+      f"{json_path} exists{_step_of(json_path)}; pass --overwrite to replace it, or --out=NAME "
+      "to write DIR/eval/NAME.json"
+    )
   model_cfg = eval_model_config(
     run_config.model, seq_len=seq_len, rope_scaling=rope_scaling, rope_factor=rope_factor
   )
@@ -281,8 +314,7 @@ def evaluate_workdir(
     "records": records,
     "per_position": per_position,
   }
-  name = output_name(out, rope_scaling, rope_factor, split=split, data_files=data_files)
-  json_path = write_result(result, workdir / "eval" / f"{name}.json")
+  json_path = write_result(result, json_path)
   png_path = eval_plot.plot_runs(
     [(eval_plot.run_label(workdir.name, result), result, seq_len)],
     json_path.with_suffix(".png"),
@@ -290,6 +322,13 @@ def evaluate_workdir(
   )
   log(f"wrote {json_path} and {png_path}")
   return result, json_path
+
+
+def _step_of(json_path: epath.Path) -> str:
+  try:
+    return f" (step {json.loads(json_path.read_text())['step']})"
+  except (ValueError, KeyError, TypeError):
+    return ""
 
 
 def write_result(result: dict, path) -> epath.Path:

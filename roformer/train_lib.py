@@ -4,6 +4,7 @@ Entry point: `train_and_evaluate(config, workdir)` (train.py is a thin CLI over 
 periodic actions (log, evaluate, save, stop) live in roformer/train_loop.py.
 """
 
+import contextlib
 import dataclasses
 import functools
 import time
@@ -20,6 +21,7 @@ from flax import nnx
 from roformer import checkpoint, config_lib, metrics_log, sharding, train_loop
 from roformer import data as data_lib
 from roformer import model as model_lib
+from roformer import workdir as workdir_lib
 from roformer.config_lib import ConfigError, OptimConfig, RunConfig
 from roformer.train_loop import (
   NonFiniteLossError,  # noqa: F401  (raised by train_and_evaluate)
@@ -166,12 +168,51 @@ def train_step(
 # ---- Setup ----
 
 
-def _setup(config: Any, workdir: epath.Path) -> Setup:
-  """Everything that can fail on bad input, before any compiling or checkpoint is touched."""
-  run_config = config_lib.run_config_from_dict(config)
+def _check_or_replace_config(run_config: RunConfig, workdir: epath.Path) -> None:
+  """The resume rule: a rerun keeps DIR/config.json, unless no checkpoint was ever written.
+
+  A run that died before its first checkpoint left nothing to resume, so a corrected config may
+  replace it; the earlier attempt's files move to DIR/replaced/ so no record of it mixes in.
+  """
   previous = config_lib.read_config_json(workdir)
-  if previous is not None:
+  if previous is None:
+    return
+  if checkpoint.finished_steps(workdir):
     config_lib.check_resume(previous, run_config)
+    return
+  changed = config_lib.changed_fields(
+    config_lib.with_defaults(previous), config_lib.to_dict(run_config)
+  )
+  if not changed or jax.process_index() != 0:
+    return
+  moved_to = workdir_lib.archive_run_files(str(workdir))
+  logging.warning(
+    "%s holds no checkpoint: this config replaces the one of the earlier attempt (changed: %s); "
+    "its files moved to %s.",
+    workdir,
+    ", ".join(changed),
+    moved_to,
+  )
+
+
+def _warn_about_schedule(run_config: RunConfig) -> None:
+  optim, train = run_config.optim, run_config.train
+  if train.num_train_steps < optim.warmup_steps:
+    logging.warning(
+      "train.num_train_steps=%d is shorter than optim.warmup_steps=%d: the learning rate never "
+      "reaches its peak optim.learning_rate=%g.",
+      train.num_train_steps,
+      optim.warmup_steps,
+      optim.learning_rate,
+    )
+
+
+def _setup(run_config: RunConfig, workdir: epath.Path) -> Setup:
+  """Everything that can fail on bad input, before any compiling or checkpoint is touched."""
+  _check_or_replace_config(run_config, workdir)
+  if jax.process_count() > 1:
+    _sync("config checked")  # process 0 may have moved an earlier attempt's files
+  _warn_about_schedule(run_config)
   corpus = data_lib.load_corpus(run_config.data, workdir=str(workdir))
   model_cfg = dataclasses.replace(run_config.model, vocab_size=corpus.tokenizer.vocab_size)
   run_config = dataclasses.replace(run_config, model=model_cfg)
@@ -263,28 +304,81 @@ def _log_startup(setup: Setup, num_params: int, workdir: epath.Path) -> None:
 # ---- The loop ----
 
 
-def _setup_or_config_error(config: Any, workdir: epath.Path) -> Setup:
+def _setup_or_config_error(run_config: RunConfig, workdir: epath.Path) -> Setup:
   try:
-    return _setup(config, workdir)
+    return _setup(run_config, workdir)
   except ConfigError:
     raise
   except ValueError as e:  # data.DataError, the model's checks: already one clear message
     raise ConfigError(str(e)) from e
 
 
-def _restore_or_init(setup: Setup, tx: optax.GradientTransformation, manager) -> tuple:
+def _sync(name: str) -> None:
+  from jax.experimental import multihost_utils
+
+  multihost_utils.sync_global_devices(name)
+
+
+def _resolve_paths(run_config: RunConfig) -> RunConfig:
+  """train.init_from as an absolute path (config.json must not depend on the current directory)."""
+  train = run_config.train
+  if not train.init_from:
+    return run_config
+  init_from = workdir_lib.resolve(train.init_from, flag="train.init_from")
+  return dataclasses.replace(run_config, train=dataclasses.replace(train, init_from=init_from))
+
+
+def _lock(workdir: epath.Path, stack: contextlib.ExitStack) -> None:
+  """Creates the workdir and locks it (process 0); every process stops if the lock is refused."""
+  workdir_lib.make_writable(str(workdir))
+  error = None
+  if jax.process_index() == 0:
+    try:
+      stack.enter_context(workdir_lib.WorkdirLock(str(workdir)))
+    except workdir_lib.WorkdirError as e:
+      error = e
+  if jax.process_count() > 1 and train_loop.any_process(error is not None) and error is None:
+    raise workdir_lib.WorkdirError(f"--workdir={workdir}: process 0 could not lock it")
+  if error is not None:
+    raise error
+
+
+def _set_aside(manager, workdir: epath.Path, steps: list[int], resumed: int) -> None:
+  """Moves unreadable checkpoints out of the way (process 0), then every manager rescans."""
+  if jax.process_count() > 1:
+    _sync("unreadable checkpoints found")  # every process has tried them before any moves
+  if jax.process_index() == 0:
+    for step in steps:
+      moved = checkpoint.set_aside(workdir, step)
+      logging.warning(
+        "The checkpoint of step %d is unreadable: moved to %s; resuming from step %d.",
+        step,
+        moved,
+        resumed,
+      )
+  if jax.process_count() > 1:
+    _sync("unreadable checkpoints moved")
+  manager.reload()
+
+
+def _restore_or_init(
+  setup: Setup, tx: optax.GradientTransformation, manager, workdir: epath.Path
+) -> tuple:
   """The train state: the latest checkpoint's, else fresh (or train.init_from's parameters).
 
   Returns:
     (model_def, model_state, opt_def, opt_state, start_step).
   """
   rc, mesh, rules = setup.run_config, setup.mesh, setup.rules
-  latest = manager.latest_step()
-  if latest is not None:
+  if manager.latest_step() is not None:
     model_def, model_abs, opt_def, opt_abs = abstract_train_state(rc, tx, mesh, rules)
-    model_state, opt_state, meta = checkpoint.restore(manager, latest, model_abs, opt_abs)
-    logging.info("Resumed from the checkpoint of step %d (%s).", latest, meta)
-    return model_def, model_state, opt_def, opt_state, latest
+    model_state, opt_state, meta, step, unreadable = checkpoint.restore_latest_readable(
+      manager, model_abs, opt_abs
+    )
+    if unreadable:
+      _set_aside(manager, workdir, unreadable, step)
+    logging.info("Resumed from the checkpoint of step %d (%s).", step, meta)
+    return model_def, model_state, opt_def, opt_state, step
   model_def, model_state, opt_def, opt_state = create_train_state(rc, tx, mesh, rules)
   if rc.train.init_from:
     model_state = checkpoint.load_init_state(rc.train.init_from, _abstract(model_state))
@@ -324,9 +418,9 @@ def _compile(loop: train_loop.Loop, step_fn: Any, batch: dict, step_array: jax.A
   return compiled
 
 
-def _start(config: Any, workdir: epath.Path) -> train_loop.Loop:
-  """Validates the config, writes config.json, restores or creates the state; opens the writers."""
-  setup = _setup_or_config_error(config, workdir)
+def _start(run_config: RunConfig, workdir: epath.Path) -> train_loop.Loop:
+  """Checks the config against the workdir, writes config.json, restores or creates the state."""
+  setup = _setup_or_config_error(run_config, workdir)
   rc = setup.run_config
   train = rc.train
   is_main = jax.process_index() == 0
@@ -334,7 +428,13 @@ def _start(config: Any, workdir: epath.Path) -> train_loop.Loop:
     config_lib.write_config_json(workdir, rc)
   tx = make_optimizer(rc.optim, train.num_train_steps)
   manager = checkpoint.make_manager(workdir, keep=train.keep_checkpoints)
-  model_def, model_state, opt_def, opt_state, start_step = _restore_or_init(setup, tx, manager)
+  try:
+    model_def, model_state, opt_def, opt_state, start_step = _restore_or_init(
+      setup, tx, manager, workdir
+    )
+  except BaseException:
+    manager.close()
+    raise
   if is_main:
     _log_startup(setup, _count_params(model_state), workdir)
   if start_step >= train.num_train_steps:
@@ -344,7 +444,9 @@ def _start(config: Any, workdir: epath.Path) -> train_loop.Loop:
     workdir=workdir,
     manager=manager,
     writer=metrics_log.MetricsWriter(workdir, enabled=is_main),
-    console=metrics_log.ConsoleLog(train.num_train_steps, enabled=is_main),
+    console=metrics_log.ConsoleLog(
+      train.num_train_steps, log_every_steps=train.log_every_steps, enabled=is_main
+    ),
     model_def=model_def,
     opt_def=opt_def,
     model_state=model_state,
@@ -368,44 +470,52 @@ def train_and_evaluate(config: Any, workdir: str) -> dict:
       checkpoint; the message names the field.
     NonFiniteLossError: the loss or gradient became NaN or infinite.
   """
-  workdir = epath.Path(workdir)
-  loop = _start(config, workdir)
+  workdir = epath.Path(workdir_lib.resolve(str(workdir)))
+  run_config = _resolve_paths(config_lib.run_config_from_dict(config))
+  with contextlib.ExitStack() as stack:
+    _lock(workdir, stack)  # before anything in the workdir is read or written
+    loop = _start(run_config, workdir)
+    stack.callback(train_loop.close, loop)
+    _train(loop)
+  return loop.last_eval
+
+
+def _train(loop: train_loop.Loop) -> None:
+  """Steps from loop.start_step to train.num_train_steps, or until a signal asks to stop."""
   setup, train = loop.setup, loop.config.train
   step_fn, compiled, pending = _jit_train_step(loop), None, None
   with checkpoint.PreemptionWatcher() as watcher:
-    try:
-      for step in range(loop.start_step, train.num_train_steps):
-        local = setup.batches.batch(step)
-        batch = sharding.put_batch(local, setup.mesh, setup.rules, train.global_batch_size)
-        step_array = jnp.asarray(step, jnp.int32)
-        if compiled is None:
-          compiled = _compile(loop, step_fn, batch, step_array)
-          loop.console.start(loop.start_step)
-        loop.model_state, loop.opt_state, metrics = compiled(
-          loop.model_state, loop.opt_state, batch, step_array
-        )
-        done = step + 1
-        # Pull the previous step's metrics after dispatching this one: the host never idles.
-        if pending is not None:
-          train_loop.finish_step(loop, *pending)
-        pending = (done, metrics)
-        stop = train_loop.stop_requested(watcher, train, done)
-        due = train_loop.due(train, done, stop)
-        if due.any:
-          train_loop.finish_step(loop, *pending)
-          pending = None
-        if due.log:
-          train_loop.log_train(loop, done)
-        if due.save:
-          train_loop.save(loop, done)
-        if stop:
-          loop.manager.wait_until_finished()
-          logging.warning("SIGTERM received: saved the checkpoint of step %d; exiting.", done)
-          break
-        if due.eval:
-          train_loop.evaluate(loop, done)
+    for step in range(loop.start_step, train.num_train_steps):
+      local = setup.batches.batch(step)
+      batch = sharding.put_batch(local, setup.mesh, setup.rules, train.global_batch_size)
+      step_array = jnp.asarray(step, jnp.int32)
+      if compiled is None:
+        compiled = _compile(loop, step_fn, batch, step_array)
+        loop.console.start(loop.start_step)
+      loop.model_state, loop.opt_state, metrics = compiled(
+        loop.model_state, loop.opt_state, batch, step_array
+      )
+      done = step + 1
+      # Pull the previous step's metrics after dispatching this one: the host never idles.
       if pending is not None:
         train_loop.finish_step(loop, *pending)
-    finally:
-      train_loop.close(loop)
-  return loop.last_eval
+      pending = (done, metrics)
+      stop = train_loop.stop_requested(watcher, train, done)
+      due = train_loop.due(train, done, stop)
+      if due.any:
+        train_loop.finish_step(loop, *pending)
+        pending = None
+      if due.log:
+        train_loop.log_train(loop, done)
+      if due.save:
+        train_loop.save(loop, done)
+      if stop:
+        loop.manager.wait_until_finished()
+        logging.warning(
+          "%s received: saved the checkpoint of step %d; exiting.", watcher.signal_name, done
+        )
+        return
+      if due.eval:
+        train_loop.evaluate(loop, done)
+    if pending is not None:
+      train_loop.finish_step(loop, *pending)

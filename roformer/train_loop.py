@@ -150,6 +150,8 @@ def finish_step(loop: Loop, step: int, metrics: dict) -> None:
     )
   loop.sums += [values["loss_sum"], values["correct_sum"], values["weight_sum"]]
   loop.last_metrics = values
+  if loop.console.wants_progress(step):
+    loop.console.progress(step, {"train_loss": loop.sums[0] / max(loop.sums[2], 1.0)})
 
 
 def log_train(loop: Loop, step: int) -> None:
