@@ -458,9 +458,12 @@ def _start(run_config: RunConfig, workdir: epath.Path) -> train_loop.Loop:
 def train_and_evaluate(config: Any, workdir: str) -> dict:
   """Trains (or resumes) the run in `workdir` and evaluates it periodically on validation data.
 
+  A local workdir is locked for the whole run (DIR/.lock): a second run into it stops before
+  reading or writing anything there. SIGTERM and SIGINT save a checkpoint and return.
+
   Args:
     config: a ConfigDict of configs/default.py's layout (or the same as a nested dict).
-    workdir: the run directory (local path or gs://...).
+    workdir: the run directory (local path, relative or with ~, or gs://...).
 
   Returns:
     The last evaluation's metrics ({} without evaluation).
@@ -468,6 +471,8 @@ def train_and_evaluate(config: Any, workdir: str) -> dict:
   Raises:
     ConfigError: bad input (config value, data, mesh), raised before compiling or touching a
       checkpoint; the message names the field.
+    WorkdirError: the workdir is empty, cannot be written, or another run holds it.
+    CheckpointNotFoundError: no checkpoint in the workdir reads back.
     NonFiniteLossError: the loss or gradient became NaN or infinite.
   """
   workdir = epath.Path(workdir_lib.resolve(str(workdir)))
