@@ -33,6 +33,32 @@ flags.DEFINE_string("data_files", "", "Glob of other text, tokenized with the ru
 flags.DEFINE_string("out", "", "NAME of DIR/eval/NAME.json|png (or of the JSON --compare reads).")
 flags.DEFINE_list("compare", [], "Workdirs (or eval JSON files) to draw in one plot.")
 flags.DEFINE_string("plot", "", "Output PNG of --compare.")
+flags.DEFINE_bool("overwrite", False, "Replace an existing DIR/eval/NAME.json and NAME.png.")
+
+# Flags that only evaluating one --workdir reads (an error with --compare).
+WORKDIR_FLAGS = (
+  "workdir", "lengths", "protocol", "stride", "max_tokens", "split", "step", "batch_size",
+  "rope_scaling", "rope_factor", "window", "bca", "data_files", "overwrite",
+)  # fmt: skip
+
+
+def _check_flag_combinations() -> None:
+  """A flag that the chosen mode does not read is an error naming both flags, never ignored."""
+  given = lambda name: FLAGS[name].present  # noqa: E731
+  if FLAGS.compare:
+    for name in WORKDIR_FLAGS:
+      if given(name):
+        raise ValueError(
+          f"--{name} is not read by --compare (which draws existing DIR/eval/NAME.json files); "
+          "evaluate each run with --workdir first"
+        )
+    return
+  if given("plot"):
+    raise ValueError("--plot needs --compare=DIR1,DIR2,...; --workdir writes DIR/eval/NAME.png")
+  if given("rope_factor") and FLAGS.rope_scaling == "none":
+    raise ValueError(f"--rope_factor={FLAGS.rope_factor} needs --rope_scaling=KIND")
+  if given("stride") and FLAGS.protocol == "nonoverlapping":
+    raise ValueError("--stride sets sliding windows; it is not read with --protocol=nonoverlapping")
 
 
 def main(argv):
@@ -41,6 +67,7 @@ def main(argv):
   # Orbax and absl log every checkpoint read at INFO; keep the output to progress lines.
   logging.set_verbosity(logging.WARNING)
   try:
+    _check_flag_combinations()
     if FLAGS.compare:
       from roformer import eval_plot  # plotting only: no JAX needed
 
@@ -51,7 +78,7 @@ def main(argv):
       )
       print(f"wrote {path}")
       return
-    if not FLAGS.workdir:
+    if FLAGS.workdir is None:
       raise ValueError("give --workdir=DIR (or --compare=DIR1,DIR2 --plot=FILE.png)")
     import jax
 
@@ -75,9 +102,10 @@ def main(argv):
       bca=FLAGS.bca,
       data_files=FLAGS.data_files,
       out=FLAGS.out,
+      overwrite=FLAGS.overwrite,
       log=lambda line: print(line, flush=True),
     )
-  except (ValueError, FileNotFoundError) as e:
+  except (ValueError, FileNotFoundError, FileExistsError) as e:
     # Bad input (config, data, missing checkpoint) is one clear line and exit 1, no traceback.
     sys.exit(f"eval.py: error: {e}")
 

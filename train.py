@@ -29,8 +29,28 @@ def _error(message: str) -> None:
   sys.exit(1)
 
 
+def _check_config_file(argv) -> None:
+  """One line for a --config path that names no file (ml_collections would raise twice, later)."""
+  for i, arg in enumerate(argv[1:], start=1):
+    if arg == "--config" and i + 1 < len(argv):
+      arg = f"--config={argv[i + 1]}"
+    if not arg.startswith("--config="):
+      continue
+    path = arg.split("=", 1)[1].split(":", 1)[0]  # PATH[:ARG]
+    if not os.path.isfile(path):
+      folder = os.path.dirname(path) or "."
+      choices = sorted(
+        f
+        for f in (os.listdir(folder) if os.path.isdir(folder) else [])
+        if f.endswith(".py") and not f.startswith("_")
+      )
+      hint = f"; {folder}/ has {', '.join(choices)}" if choices else ""
+      _error(f"--config={path}: no such file{hint}")
+
+
 def _parse_flags(argv):
   """absl's flag parsing, with one clear line (no traceback) for a misspelt or mistyped field."""
+  _check_config_file(argv)
   try:
     return FLAGS(argv)
   except flags.Error as e:
@@ -40,11 +60,15 @@ def _parse_flags(argv):
     overrides = [a.split("=")[0][2:] for a in argv[1:] if a.startswith("--config.")]
     if isinstance(e, AttributeError | KeyError):  # the message starts with the unknown name
       missing = text.split()[0].strip("'\"") if text else ""
-      culprit = next((o for o in overrides if o.rsplit(".", 1)[-1] == missing), "config")
       hint = text[text.find("Did you mean") :].rstrip("'\"") if "Did you mean" in text else ""
-      _error(
-        f"{culprit.removeprefix('config.')} is not a config field" + (f"; {hint}" if hint else "")
-      )
+      hint = f"; {hint}" if hint else ""
+      for override in overrides:
+        parts = override.split(".")[1:]  # config.GROUP.FIELD -> [GROUP, FIELD]
+        if missing in parts:
+          kind = "group" if parts.index(missing) == 0 and len(parts) > 1 else "field"
+          name = ".".join(parts[: parts.index(missing) + 1])
+          _error(f"--{override}: {name} is not a config {kind}{hint}")
+      _error(f"{missing or text} is not a config field{hint}")
     culprit = next((o for o in overrides if o.rsplit(".", 1)[-1] in text), "config")
     _error(f"--{culprit}: {text}")
 
@@ -65,7 +89,7 @@ def main(argv):
   elif "," in os.environ.get("TPU_WORKER_HOSTNAMES", ""):
     jax.distributed.initialize()  # a TPU pod slice: JAX finds its peers itself
 
-  from roformer import checkpoint, config_lib, metrics_log, train_lib
+  from roformer import checkpoint, config_lib, metrics_log, train_lib, workdir
 
   metrics_log.quiet_library_logs()
   if jax.process_index() != 0:
@@ -78,11 +102,13 @@ def main(argv):
     train_lib.train_and_evaluate(FLAGS.config, FLAGS.workdir)
   except (
     config_lib.ConfigError,
+    workdir.WorkdirError,
     train_lib.NonFiniteLossError,
     checkpoint.CheckpointNotFoundError,
   ) as e:
-    print(f"train.py: error: {e}", file=sys.stderr)
-    sys.exit(1)
+    _error(str(e))
+  except KeyboardInterrupt:  # a second Ctrl-C, or one before training started
+    _error("interrupted; nothing was saved since the last checkpoint")
 
 
 if __name__ == "__main__":

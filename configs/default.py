@@ -131,6 +131,8 @@ def get_config() -> ml_collections.ConfigDict:
   data.validation_fraction = 0.05
   # Column (.jsonl / .parquet / hub) holding the text.
   data.text_field = "text"
+  # files: text encoding of .txt / .jsonl files (any Python codec name, e.g. "latin-1").
+  data.text_encoding = "utf-8"
   # hub: dataset name on the Hugging Face hub.
   data.hub_name = ""
   # hub: dataset configuration name ("" = default).

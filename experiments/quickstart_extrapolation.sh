@@ -12,15 +12,17 @@ cd "$(dirname "$0")/.."
 runs="${1:-/tmp/roformer_quickstart_extrapolation}"
 kinds="${KINDS:-rope alibi nope sinusoidal}"
 dirs=()
+name=ppl_vs_length_nonoverlapping  # what eval.py names a --protocol=nonoverlapping result
 for kind in $kinds; do
   dir="$runs/$kind"
   python train.py --config=configs/quickstart.py --workdir="$dir" --config.posenc.kind="$kind" \
     --config.model.embed_scale=none
-  python eval.py --workdir="$dir" --protocol=nonoverlapping --max_tokens=32768
+  python eval.py --workdir="$dir" --protocol=nonoverlapping --max_tokens=32768 --overwrite
   dirs+=("$dir")
 done
 mkdir -p results
-python eval.py --compare="$(IFS=,; echo "${dirs[*]}")" --plot=results/quickstart_extrapolation.png
+python eval.py --compare="$(IFS=,; echo "${dirs[*]}")" --out="$name" \
+  --plot=results/quickstart_extrapolation.png
 for dir in "${dirs[@]}"; do
-  cp "$dir/eval/ppl_vs_length.json" "results/quickstart_extrapolation_$(basename "$dir").json"
+  cp "$dir/eval/$name.json" "results/quickstart_extrapolation_$(basename "$dir").json"
 done

@@ -30,6 +30,14 @@ def checkpoint_dir(workdir: str | epath.Path) -> epath.Path:
   return epath.Path(workdir) / CHECKPOINT_DIR
 
 
+def finished_steps(workdir: str | epath.Path) -> list[int]:
+  """Steps of the complete checkpoints in DIR/checkpoints (Orbax renames a step's tmp dir last)."""
+  root = checkpoint_dir(workdir)
+  if not root.exists():
+    return []
+  return sorted(int(p.name) for p in root.iterdir() if p.name.isdigit() and p.is_dir())
+
+
 def make_manager(workdir: str | epath.Path, *, keep: int = 3, read_only: bool = False):
   """The Orbax CheckpointManager of DIR/checkpoints, keeping the `keep` latest checkpoints."""
   # Readers use a plain manager that creates nothing (Orbax's read_only mode warns on every use).
@@ -65,6 +73,58 @@ def restore(manager, step: int, abstract_model: Any, abstract_opt: Any) -> tuple
     ),
   )
   return restored.model, restored.optimizer, dict(restored.meta)
+
+
+UNREADABLE_DIR = "unreadable_checkpoints"
+
+
+def _first_line(error: Exception, limit: int = 200) -> str:
+  text = str(error).strip().splitlines()
+  return f"{type(error).__name__}: {text[0][:limit] if text else ''}"
+
+
+def restore_latest_readable(manager, abstract_model: Any, abstract_opt: Any) -> tuple:
+  """Restores the newest checkpoint that reads back, newest first.
+
+  A checkpoint can be complete for Orbax yet damaged on disk (a truncated or lost file, e.g. after
+  a full disk or a partial copy). Such a step is skipped with a warning naming it; the caller
+  moves it aside with `set_aside` once it has a good state.
+
+  Returns:
+    (model_state, opt_state, meta, step, unreadable): `unreadable` lists the skipped steps.
+
+  Raises:
+    CheckpointNotFoundError (one line) when no checkpoint reads back.
+  """
+  unreadable = []
+  for step in sorted(manager.all_steps(), reverse=True):
+    try:
+      model_state, opt_state, meta = restore(manager, step, abstract_model, abstract_opt)
+    except Exception as e:  # Orbax and TensorStore raise many types for damaged files
+      logging.warning(
+        "The checkpoint of step %d in %s is unreadable (%s); trying the previous one.",
+        step,
+        manager.directory,
+        _first_line(e),
+      )
+      unreadable.append((step, _first_line(e)))
+      continue
+    return model_state, opt_state, meta, step, [s for s, _ in unreadable]
+  details = "; ".join(f"step {s}: {why}" for s, why in unreadable)
+  raise CheckpointNotFoundError(
+    f"no checkpoint in {manager.directory} reads back ({details}); move that directory away to "
+    "train from scratch"
+  )
+
+
+def set_aside(workdir: str | epath.Path, step: int) -> epath.Path:
+  """Moves an unreadable step out of DIR/checkpoints (so it is neither resumed nor overwritten)."""
+  target = epath.Path(workdir) / UNREADABLE_DIR / str(step)
+  if target.exists():
+    target = target.with_name(f"{step}.{len(list(target.parent.iterdir()))}")
+  target.parent.mkdir(parents=True, exist_ok=True)
+  (checkpoint_dir(workdir) / str(step)).rename(target)
+  return target
 
 
 def _restore_model_state(workdir: epath.Path, step: int | None, abstract_model: Any) -> tuple:
@@ -213,24 +273,35 @@ def load_init_state(init_from: str, abstract_model: Any) -> Any:
 
 
 class PreemptionWatcher:
-  """Turns SIGTERM (a TPU preemption, `kill`) into a flag the loop reads at step boundaries."""
+  """Turns SIGTERM (a TPU preemption, `kill`) and SIGINT (Ctrl-C) into a flag the loop reads.
+
+  The loop saves a checkpoint at the next step boundary and exits. A second Ctrl-C interrupts at
+  once (KeyboardInterrupt), without saving.
+  """
+
+  SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
   def __init__(self):
     self._event = threading.Event()
-    self._previous = None
+    self._previous = {}
+    self.signal_name = ""  # the first signal received, e.g. "SIGINT"
 
   def __enter__(self):
     if threading.current_thread() is threading.main_thread():
-      self._previous = signal.signal(signal.SIGTERM, self._handle)
+      self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
     return self
 
   def __exit__(self, *exc):
-    if self._previous is not None:
-      signal.signal(signal.SIGTERM, self._previous)
+    for signum, previous in self._previous.items():
+      signal.signal(signum, previous)
+    self._previous = {}
     return False
 
   def _handle(self, signum, frame):
-    del signum, frame
+    del frame
+    if signum == signal.SIGINT and self._event.is_set():
+      raise KeyboardInterrupt  # the second Ctrl-C: stop now
+    self.signal_name = self.signal_name or signal.Signals(signum).name
     self._event.set()
 
   def requested(self) -> bool:

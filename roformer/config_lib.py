@@ -3,6 +3,7 @@
 Every bad value raises ConfigError naming the field and the allowed values, before any compiling.
 """
 
+import codecs
 import dataclasses
 import json
 import math
@@ -13,7 +14,7 @@ from typing import Any
 from etils import epath
 
 from roformer import model as model_lib
-from roformer.data.config import SOURCES, TOKENIZERS, DataConfig
+from roformer.data.config import SOURCE_FIELDS, SOURCES, TOKENIZERS, DataConfig
 from roformer.model import ModelConfig
 from roformer.posenc_config import PosEncConfig, RopeScaling
 
@@ -179,6 +180,21 @@ def _validate_data(data: DataConfig) -> None:
   _check(
     data.source in SOURCES, f"data.source must be one of {', '.join(SOURCES)}, got {data.source!r}"
   )
+  for source, names in SOURCE_FIELDS.items():
+    for name in names:
+      value = getattr(data, name)
+      _check(
+        data.source == source or not value,
+        f"data.{name}={value!r} is set but data.source={data.source!r} does not read it; "
+        f"set data.source={source!r} or leave data.{name} unset",
+      )
+  try:
+    codecs.lookup(data.text_encoding)
+  except LookupError:
+    raise ConfigError(
+      f"data.text_encoding={data.text_encoding!r} is not a known text encoding "
+      "(a Python codec name such as utf-8, latin-1, cp1252)"
+    ) from None
   _check(
     data.tokenizer in TOKENIZERS or data.tokenizer.endswith(".json"),
     f"data.tokenizer must be one of {', '.join(TOKENIZERS)} or a path to a tokenizer.json, "
@@ -394,8 +410,17 @@ def changed_fields(old: Mapping, new: Mapping) -> list[str]:
   ]
 
 
+def with_defaults(values: Mapping) -> Mapping:
+  """A config.json's values with the defaults of fields added since it was written."""
+  try:
+    return to_dict(run_config_from_dict(values))
+  except ConfigError:
+    return values  # compared as written; the differences are reported field by field
+
+
 def check_resume(old: Mapping, new: RunConfig) -> None:
   """Raises ConfigError if `new` differs from DIR/config.json beyond RESUMABLE_FIELDS."""
+  old = with_defaults(old)
   new_values = to_dict(new)
   changed = [n for n in changed_fields(old, new_values) if n not in RESUMABLE_FIELDS]
   if changed:

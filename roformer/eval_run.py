@@ -15,6 +15,7 @@ from flax import nnx
 from roformer import checkpoint, config_lib, eval_lib, eval_plot
 from roformer import data as data_lib
 from roformer import model as model_lib
+from roformer import workdir as workdir_lib
 from roformer.eval_lib import PROTOCOLS
 from roformer.eval_plot import DEFAULT_NAME
 from roformer.posenc import POSENCS
@@ -43,12 +44,18 @@ def output_name(
   data_files: str = "",
   attention_window: int = 0,
   window_kind: str = "sliding",
+  lengths: Sequence[int] = (),
+  default: Sequence[int] = (),
+  protocol: str = "both",
+  stride: int = 0,
 ) -> str:
   """NAME of DIR/eval/NAME.json: `out`, else ppl_vs_length with a suffix per non-default choice.
 
-  Evaluating other text (`_files`), the test split (`_test`), with a RoPE scaling
-  (`_<scaling>_<factor>`, factor "auto" too) or an attention window (`_window<W>`, `_bca<W>`)
-  never overwrites the plain validation result.
+  Evaluating other text (`_files`), the test split (`_test`), other lengths (`_len256-512`), one
+  protocol (`_sliding`), a stride (`_stride64`), a RoPE scaling (`_<scaling>_<factor>`, factor
+  "auto" too) or an attention window (`_window<W>`, `_bca<W>`) never overwrites the plain
+  validation result. `default` is the default length list (`lengths` equal to it, or empty, add
+  nothing).
   """
   if out:
     return out
@@ -57,6 +64,13 @@ def output_name(
     name += "_files"
   elif split != "validation":
     name += f"_{split}"
+  lengths = sorted(set(int(x) for x in lengths))
+  if lengths and lengths != sorted(default):
+    name += "_len" + "-".join(str(x) for x in lengths)
+  if protocol != "both":
+    name += f"_{protocol}"
+  if stride and protocol != "nonoverlapping":
+    name += f"_stride{stride}"
   if rope_scaling != "none":
     factor = rope_factor if rope_factor == AUTO_FACTOR else f"{float(rope_factor):g}"
     name += f"_{rope_scaling}_{factor}"
@@ -250,6 +264,7 @@ def evaluate_workdir(
   bca: bool = False,
   data_files: str = "",
   out: str = "",
+  overwrite: bool = False,
   log: Callable[[str], None] = print,
 ) -> tuple[dict, epath.Path]:
   """Evaluates a run's checkpoint at several lengths; writes DIR/eval/NAME.json and NAME.png.
@@ -270,6 +285,7 @@ def evaluate_workdir(
       of the training length.
     data_files: a glob of other text, tokenized with the run's tokenizer.
     out: NAME; default `output_name(...)`.
+    overwrite: replace an existing DIR/eval/NAME.json (else that is an error, before any work).
     log: where progress lines go.
 
   Returns:
@@ -279,7 +295,7 @@ def evaluate_workdir(
   if any(p not in PROTOCOLS for p in protocols):
     raise ValueError(f"--protocol must be one of {PROTOCOLS + ('both',)}, got {protocol!r}")
   rope_factor = parse_rope_factor(rope_factor)
-  workdir = epath.Path(workdir)
+  workdir = epath.Path(workdir_lib.resolve(str(workdir)))
   run_config = config_lib.load_run_config(workdir)
   seq_len = run_config.data.seq_len
   window_kind = "blockwise" if bca else "sliding"
@@ -287,6 +303,25 @@ def evaluate_workdir(
     attention_window = seq_len
   if bca and run_config.model.kind != "decoder":
     raise ValueError("--bca (blockwise causal attention) applies to decoders only")
+  name = output_name(
+    out,
+    rope_scaling,
+    rope_factor,
+    split=split,
+    data_files=data_files,
+    attention_window=attention_window,
+    window_kind=window_kind,
+    lengths=lengths,
+    default=default_lengths(seq_len),
+    protocol=protocol,
+    stride=stride,
+  )
+  json_path = workdir / "eval" / f"{name}.json"
+  if json_path.exists() and not overwrite:
+    raise FileExistsError(
+      f"{json_path} exists{_step_of(json_path)}; pass --overwrite to replace it, or --out=NAME "
+      "to write DIR/eval/NAME.json"
+    )
 
   def config_at(length: int):
     return eval_model_config(
@@ -386,16 +421,7 @@ def evaluate_workdir(
     "records": records,
     "per_position": per_position,
   }
-  name = output_name(
-    out,
-    rope_scaling,
-    rope_factor,
-    split=split,
-    data_files=data_files,
-    attention_window=attention_window,
-    window_kind=window_kind,
-  )
-  json_path = write_result(result, workdir / "eval" / f"{name}.json")
+  json_path = write_result(result, json_path)
   png_path = eval_plot.plot_runs(
     [(eval_plot.run_label(workdir.name, result), result, seq_len)],
     json_path.with_suffix(".png"),
@@ -413,6 +439,13 @@ def _scaling_record(model_cfg, rope_scaling: str, rope_factor) -> dict | None:
   if scaling.kind == "none" or not POSENCS[model_cfg.posenc.kind].accepts_rope_scaling:
     return None
   return {"kind": scaling.kind, "factor": scaling.factor}
+
+
+def _step_of(json_path: epath.Path) -> str:
+  try:
+    return f" (step {json.loads(json_path.read_text())['step']})"
+  except (ValueError, KeyError, TypeError):
+    return ""
 
 
 def write_result(result: dict, path) -> epath.Path:

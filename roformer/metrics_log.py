@@ -105,16 +105,28 @@ _CONSOLE_FORMATS = {
 
 
 class ConsoleLog:
-  """The one-line progress report: loss, learning rate, throughput and time left."""
+  """The one-line progress report: loss, learning rate, throughput and time left.
 
-  def __init__(self, num_train_steps: int, *, enabled: bool = True):
+  Between the regular lines (every train.log_every_steps) it also prints short progress lines:
+  after 1, 2, 4, 8, ... steps until the first regular line, so a slow run shows its speed and time
+  left within its first steps, and then whenever PROGRESS_SECONDS pass without a line.
+  """
+
+  PROGRESS_SECONDS = 300.0
+
+  def __init__(self, num_train_steps: int, *, log_every_steps: int = 0, enabled: bool = True):
     self._num_train_steps = num_train_steps
+    self._log_every_steps = log_every_steps
     self._enabled = enabled
     self._last_time = None
     self._last_step = None
+    self._first_step = None  # the step training started (or resumed) from
+    self._last_line = None  # time of the last line printed
 
   def start(self, step: int) -> None:
     self._last_time, self._last_step = time.perf_counter(), step
+    if self._first_step is None:
+      self._first_step, self._last_line = step, self._last_time
 
   def rate(self, step: int) -> float:
     """Seconds per step since the last call (or start); restarts the interval."""
@@ -123,13 +135,33 @@ class ConsoleLog:
     self._last_time, self._last_step = now, step
     return seconds
 
-  def line(self, step: int, scalars: dict[str, float], seconds_per_step: float) -> None:
+  def wants_progress(self, step: int) -> bool:
+    """True if `step` (finished, not a regular logging step) deserves a progress line."""
+    if not self._enabled or self._first_step is None or step <= self._last_step:
+      return False
+    every = self._log_every_steps
+    if (every and step % every == 0) or step >= self._num_train_steps:
+      return False  # the regular line follows
+    done = step - self._first_step
+    before_first_log = not every or step < (self._first_step // every + 1) * every
+    if before_first_log and done & (done - 1) == 0:
+      return True
+    return time.perf_counter() - self._last_line >= self.PROGRESS_SECONDS
+
+  def progress(self, step: int, scalars: dict[str, float]) -> None:
+    """A progress line: the scalars so far, seconds per step and time left (the rate is kept)."""
+    seconds_per_step = (time.perf_counter() - self._last_time) / max(step - self._last_step, 1)
+    self.line(step, scalars, seconds_per_step, note=f"{seconds_per_step:.2f}s/step")
+
+  def line(self, step: int, scalars: dict[str, float], seconds_per_step: float, note="") -> None:
     if not self._enabled:
       return
+    self._last_line = time.perf_counter()
     left = format_duration((self._num_train_steps - step) * seconds_per_step)
     parts = [f"step {step}/{self._num_train_steps}"]
     for name, spec in _CONSOLE_FORMATS.items():
       if name in scalars:
         parts.append(f"{name} {scalars[name]:{spec}}")
+    parts += [note] if note else []
     parts.append(f"{left} left")
     logging.info(", ".join(parts))

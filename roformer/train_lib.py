@@ -1,8 +1,10 @@
 """Training: optimizer, the jitted train step, and the loop (evaluation, checkpoints, metrics).
 
-Entry point: `train_and_evaluate(config, workdir)` (train.py is a thin CLI over it).
+Entry point: `train_and_evaluate(config, workdir)` (train.py is a thin CLI over it). The loop's
+periodic actions (log, evaluate, save, stop) live in roformer/train_loop.py.
 """
 
+import contextlib
 import dataclasses
 import functools
 import time
@@ -16,16 +18,16 @@ from absl import logging
 from etils import epath
 from flax import nnx
 
-from roformer import checkpoint, config_lib, eval_lib, metrics_log, sharding
+from roformer import checkpoint, config_lib, metrics_log, sharding, train_loop
 from roformer import data as data_lib
 from roformer import model as model_lib
+from roformer import workdir as workdir_lib
 from roformer.config_lib import ConfigError, OptimConfig, RunConfig
 from roformer.posenc import POSENCS
-
-
-class NonFiniteLossError(RuntimeError):
-  """Training produced a NaN or infinite loss or gradient."""
-
+from roformer.train_loop import (
+  NonFiniteLossError,  # noqa: F401  (raised by train_and_evaluate)
+  Setup,
+)
 
 # ---- Optimizer ----
 
@@ -184,21 +186,51 @@ def train_step(
 # ---- Setup ----
 
 
-@dataclasses.dataclass
-class _Setup:
-  run_config: RunConfig
-  corpus: Any
-  mesh: Any
-  rules: tuple
-  batches: Any  # data.TrainBatches feeding this process's rows
+def _check_or_replace_config(run_config: RunConfig, workdir: epath.Path) -> None:
+  """The resume rule: a rerun keeps DIR/config.json, unless no checkpoint was ever written.
 
-
-def _setup(config: Any, workdir: epath.Path) -> _Setup:
-  """Everything that can fail on bad input, before any compiling or checkpoint is touched."""
-  run_config = config_lib.run_config_from_dict(config)
+  A run that died before its first checkpoint left nothing to resume, so a corrected config may
+  replace it; the earlier attempt's files move to DIR/replaced/ so no record of it mixes in.
+  """
   previous = config_lib.read_config_json(workdir)
-  if previous is not None:
+  if previous is None:
+    return
+  if checkpoint.finished_steps(workdir):
     config_lib.check_resume(previous, run_config)
+    return
+  changed = config_lib.changed_fields(
+    config_lib.with_defaults(previous), config_lib.to_dict(run_config)
+  )
+  if not changed or jax.process_index() != 0:
+    return
+  moved_to = workdir_lib.archive_run_files(str(workdir))
+  logging.warning(
+    "%s holds no checkpoint: this config replaces the one of the earlier attempt (changed: %s); "
+    "its files moved to %s.",
+    workdir,
+    ", ".join(changed),
+    moved_to,
+  )
+
+
+def _warn_about_schedule(run_config: RunConfig) -> None:
+  optim, train = run_config.optim, run_config.train
+  if train.num_train_steps < optim.warmup_steps:
+    logging.warning(
+      "train.num_train_steps=%d is shorter than optim.warmup_steps=%d: the learning rate never "
+      "reaches its peak optim.learning_rate=%g.",
+      train.num_train_steps,
+      optim.warmup_steps,
+      optim.learning_rate,
+    )
+
+
+def _setup(run_config: RunConfig, workdir: epath.Path) -> Setup:
+  """Everything that can fail on bad input, before any compiling or checkpoint is touched."""
+  _check_or_replace_config(run_config, workdir)
+  if jax.process_count() > 1:
+    _sync("config checked")  # process 0 may have moved an earlier attempt's files
+  _warn_about_schedule(run_config)
   corpus = data_lib.load_corpus(run_config.data, workdir=str(workdir))
   model_cfg = dataclasses.replace(run_config.model, vocab_size=corpus.tokenizer.vocab_size)
   run_config = dataclasses.replace(run_config, model=model_cfg)
@@ -225,7 +257,7 @@ def _setup(config: Any, workdir: epath.Path) -> _Setup:
   )
   if train.init_from and not epath.Path(train.init_from).exists():
     raise ConfigError(f"train.init_from={train.init_from}: no such directory")
-  return _Setup(run_config, corpus, mesh, rules, batches)
+  return Setup(run_config, corpus, mesh, rules, batches)
 
 
 def _make_model_fn(run_config: RunConfig):
@@ -272,7 +304,7 @@ def _count_params(model_state) -> int:
   return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model_state, nnx.Param)))
 
 
-def _log_startup(setup: _Setup, num_params: int, workdir: epath.Path) -> None:
+def _log_startup(setup: Setup, num_params: int, workdir: epath.Path) -> None:
   logging.info(
     "JAX %s: process %d of %d, %d local / %d global devices: %s",
     jax.__version__,
@@ -290,12 +322,170 @@ def _log_startup(setup: _Setup, num_params: int, workdir: epath.Path) -> None:
 # ---- The loop ----
 
 
+def _setup_or_config_error(run_config: RunConfig, workdir: epath.Path) -> Setup:
+  try:
+    return _setup(run_config, workdir)
+  except ConfigError:
+    raise
+  except ValueError as e:  # data.DataError, the model's checks: already one clear message
+    raise ConfigError(str(e)) from e
+
+
+def _sync(name: str) -> None:
+  from jax.experimental import multihost_utils
+
+  multihost_utils.sync_global_devices(name)
+
+
+def _resolve_paths(run_config: RunConfig) -> RunConfig:
+  """train.init_from as an absolute path (config.json must not depend on the current directory)."""
+  train = run_config.train
+  if not train.init_from:
+    return run_config
+  init_from = workdir_lib.resolve(train.init_from, flag="train.init_from")
+  return dataclasses.replace(run_config, train=dataclasses.replace(train, init_from=init_from))
+
+
+def _lock(workdir: epath.Path, stack: contextlib.ExitStack) -> None:
+  """Creates the workdir and locks it (process 0); every process stops if the lock is refused."""
+  workdir_lib.make_writable(str(workdir))
+  error = None
+  if jax.process_index() == 0:
+    try:
+      stack.enter_context(workdir_lib.WorkdirLock(str(workdir)))
+    except workdir_lib.WorkdirError as e:
+      error = e
+  if jax.process_count() > 1 and train_loop.any_process(error is not None) and error is None:
+    raise workdir_lib.WorkdirError(f"--workdir={workdir}: process 0 could not lock it")
+  if error is not None:
+    raise error
+
+
+def _set_aside(manager, workdir: epath.Path, steps: list[int], resumed: int) -> None:
+  """Moves unreadable checkpoints out of the way (process 0), then every manager rescans."""
+  if jax.process_count() > 1:
+    _sync("unreadable checkpoints found")  # every process has tried them before any moves
+  if jax.process_index() == 0:
+    for step in steps:
+      moved = checkpoint.set_aside(workdir, step)
+      logging.warning(
+        "The checkpoint of step %d is unreadable: moved to %s; resuming from step %d.",
+        step,
+        moved,
+        resumed,
+      )
+  if jax.process_count() > 1:
+    _sync("unreadable checkpoints moved")
+  manager.reload()
+
+
+def _restore_or_init(
+  setup: Setup, tx: optax.GradientTransformation, manager, workdir: epath.Path
+) -> tuple:
+  """The train state: the latest checkpoint's, else fresh (or train.init_from's parameters).
+
+  Returns:
+    (model_def, model_state, opt_def, opt_state, start_step).
+  """
+  rc, mesh, rules = setup.run_config, setup.mesh, setup.rules
+  if manager.latest_step() is not None:
+    model_def, model_abs, opt_def, opt_abs = abstract_train_state(rc, tx, mesh, rules)
+    model_state, opt_state, meta, step, unreadable = checkpoint.restore_latest_readable(
+      manager, model_abs, opt_abs
+    )
+    if unreadable:
+      _set_aside(manager, workdir, unreadable, step)
+    logging.info("Resumed from the checkpoint of step %d (%s).", step, meta)
+    return model_def, model_state, opt_def, opt_state, step
+  model_def, model_state, opt_def, opt_state = create_train_state(rc, tx, mesh, rules)
+  if rc.train.init_from:
+    model_state = checkpoint.load_init_state(rc.train.init_from, _abstract(model_state))
+  return model_def, model_state, opt_def, opt_state, 0
+
+
+def _jit_train_step(loop: train_loop.Loop) -> Any:
+  """train_step jitted with the state's shardings, donating the state."""
+  rc, mesh, rules = loop.config, loop.setup.mesh, loop.setup.rules
+  model_sh = sharding.shardings_of(loop.model_state)
+  opt_sh = sharding.shardings_of(loop.opt_state)
+  repl = sharding.replicated(mesh)
+  return jax.jit(
+    functools.partial(
+      train_step,
+      model_def=loop.model_def,
+      opt_def=loop.opt_def,
+      schedule=make_schedule(rc.optim, rc.train.num_train_steps),
+      seed=rc.train.seed,
+      grad_accum_steps=rc.optim.grad_accum_steps,
+    ),
+    in_shardings=(model_sh, opt_sh, sharding.batch_sharding(mesh, rules), repl),
+    out_shardings=(model_sh, opt_sh, repl),
+    donate_argnums=(0, 1),
+  )
+
+
+def _compile(loop: train_loop.Loop, step_fn: Any, batch: dict, step_array: jax.Array) -> Any:
+  start = time.perf_counter()
+  compiled = step_fn.lower(loop.model_state, loop.opt_state, batch, step_array).compile()
+  logging.info(
+    "Compiled the train step in %.1fs; training from step %d to %d.",
+    time.perf_counter() - start,
+    loop.start_step,
+    loop.config.train.num_train_steps,
+  )
+  return compiled
+
+
+def _start(run_config: RunConfig, workdir: epath.Path) -> train_loop.Loop:
+  """Checks the config against the workdir, writes config.json, restores or creates the state."""
+  setup = _setup_or_config_error(run_config, workdir)
+  rc = setup.run_config
+  train = rc.train
+  is_main = jax.process_index() == 0
+  if is_main:
+    config_lib.write_config_json(workdir, rc)
+  tx = make_optimizer(
+    rc.optim,
+    train.num_train_steps,
+    decay_posenc=POSENCS[rc.model.posenc.kind].decays_parameters,
+  )
+  manager = checkpoint.make_manager(workdir, keep=train.keep_checkpoints)
+  try:
+    model_def, model_state, opt_def, opt_state, start_step = _restore_or_init(
+      setup, tx, manager, workdir
+    )
+  except BaseException:
+    manager.close()
+    raise
+  if is_main:
+    _log_startup(setup, _count_params(model_state), workdir)
+  if start_step >= train.num_train_steps:
+    logging.info("Nothing to train: the checkpoint is at step %d.", start_step)
+  return train_loop.Loop(
+    setup=setup,
+    workdir=workdir,
+    manager=manager,
+    writer=metrics_log.MetricsWriter(workdir, enabled=is_main),
+    console=metrics_log.ConsoleLog(
+      train.num_train_steps, log_every_steps=train.log_every_steps, enabled=is_main
+    ),
+    model_def=model_def,
+    opt_def=opt_def,
+    model_state=model_state,
+    opt_state=opt_state,
+    start_step=start_step,
+  )
+
+
 def train_and_evaluate(config: Any, workdir: str) -> dict:
   """Trains (or resumes) the run in `workdir` and evaluates it periodically on validation data.
 
+  A local workdir is locked for the whole run (DIR/.lock): a second run into it stops before
+  reading or writing anything there. SIGTERM and SIGINT save a checkpoint and return.
+
   Args:
     config: a ConfigDict of configs/default.py's layout (or the same as a nested dict).
-    workdir: the run directory (local path or gs://...).
+    workdir: the run directory (local path, relative or with ~, or gs://...).
 
   Returns:
     The last evaluation's metrics ({} without evaluation).
@@ -303,219 +493,56 @@ def train_and_evaluate(config: Any, workdir: str) -> dict:
   Raises:
     ConfigError: bad input (config value, data, mesh), raised before compiling or touching a
       checkpoint; the message names the field.
+    WorkdirError: the workdir is empty, cannot be written, or another run holds it.
+    CheckpointNotFoundError: no checkpoint in the workdir reads back.
     NonFiniteLossError: the loss or gradient became NaN or infinite.
   """
-  workdir = epath.Path(workdir)
-  try:
-    setup = _setup(config, workdir)
-  except ConfigError:
-    raise
-  except ValueError as e:  # data.DataError, the model's checks: already one clear message
-    raise ConfigError(str(e)) from e
-  rc = setup.run_config
-  train, optim = rc.train, rc.optim
-  is_main = jax.process_index() == 0
-  if is_main:
-    config_lib.write_config_json(workdir, rc)
+  workdir = epath.Path(workdir_lib.resolve(str(workdir)))
+  run_config = _resolve_paths(config_lib.run_config_from_dict(config))
+  with contextlib.ExitStack() as stack:
+    _lock(workdir, stack)  # before anything in the workdir is read or written
+    loop = _start(run_config, workdir)
+    stack.callback(train_loop.close, loop)
+    _train(loop)
+  return loop.last_eval
 
-  mesh, rules = setup.mesh, setup.rules
-  tx = make_optimizer(
-    optim,
-    train.num_train_steps,
-    decay_posenc=POSENCS[rc.model.posenc.kind].decays_parameters,
-  )
-  manager = checkpoint.make_manager(workdir, keep=train.keep_checkpoints)
-  latest = manager.latest_step()
-  start_step = latest or 0
-  if latest is not None:
-    model_def, model_abs, opt_def, opt_abs = abstract_train_state(rc, tx, mesh, rules)
-    model_state, opt_state, meta = checkpoint.restore(manager, start_step, model_abs, opt_abs)
-    logging.info("Resumed from the checkpoint of step %d (%s).", start_step, meta)
-  else:
-    model_def, model_state, opt_def, opt_state = create_train_state(rc, tx, mesh, rules)
-    if train.init_from:
-      model_state = checkpoint.load_init_state(train.init_from, _abstract(model_state))
-  model_sh, opt_sh = sharding.shardings_of(model_state), sharding.shardings_of(opt_state)
-  if is_main:
-    _log_startup(setup, _count_params(model_state), workdir)
 
-  batches = setup.batches
-  batch_sh = sharding.batch_sharding(mesh, rules)
-  repl = sharding.replicated(mesh)
-  schedule = make_schedule(optim, train.num_train_steps)
-  step_fn = jax.jit(
-    functools.partial(
-      train_step,
-      model_def=model_def,
-      opt_def=opt_def,
-      schedule=schedule,
-      seed=train.seed,
-      grad_accum_steps=optim.grad_accum_steps,
-    ),
-    in_shardings=(model_sh, opt_sh, batch_sh, repl),
-    out_shardings=(model_sh, opt_sh, repl),
-    donate_argnums=(0, 1),
-  )
-
-  writer = metrics_log.MetricsWriter(workdir, enabled=is_main)
-  console = metrics_log.ConsoleLog(train.num_train_steps, enabled=is_main)
-  tokens_per_step = train.global_batch_size * rc.data.seq_len
-  is_encoder = rc.model.kind == "encoder"
-  validation = None
-  last_eval: dict = {}
-
-  def evaluate(step: int) -> None:
-    nonlocal validation, last_eval
-    if validation is None:
-      validation = setup.corpus.tokens("validation")
-    seq_len = rc.data.seq_len
-    model = nnx.merge(model_def, model_state)
-    start = time.perf_counter()
-    with jax.set_mesh(mesh):
-      result = eval_lib.evaluate_at_length(
-        model,
-        validation,
-        model_kind=rc.model.kind,
-        length=seq_len,
-        protocol="nonoverlapping",
-        stride=seq_len,
-        max_tokens=train.eval_max_tokens,
-        max_length=seq_len,
-        batch_size=train.eval_batch_size or train.global_batch_size,
-        tokenizer=setup.corpus.tokenizer,
-        mlm_probability=rc.data.mlm_probability,
-        seed=train.seed,
-        packed=rc.data.pack,
-      )
-    scalars = {
-      "eval_loss": result["loss"],
-      "eval_ppl": result["ppl"],
-      "eval_tokens": result["tokens"],
-    }
-    if is_encoder:
-      scalars["eval_accuracy"] = result["accuracy"]
-    writer.write(step, scalars)
-    logging.info(
-      "step %d: eval_loss %.4f (ppl %.3f) on %d validation tokens in %.1fs%s",
-      step,
-      result["loss"],
-      result["ppl"],
-      result["tokens"],
-      time.perf_counter() - start,
-      f", eval_accuracy {result['accuracy']:.4f}" if is_encoder else "",
-    )
-    last_eval = result
-
-  def save(step: int) -> None:
-    meta = {"step": step, "data": {"next_batch": step, "seed": train.seed}}
-    checkpoint.save(manager, step, model_state, opt_state, meta)
-
-  def last_good() -> str:
-    manager.wait_until_finished()
-    good = manager.latest_step()
-    return (
-      f"The last good checkpoint is step {good} in {checkpoint.checkpoint_dir(workdir)} "
-      "(kept intact)."
-      if good is not None
-      else "No checkpoint was saved."
-    )
-
-  sums = np.zeros(3)  # loss, correct, weight since the last log
-  last_metrics: dict = {}
-
-  def finish(step: int, metrics: dict) -> None:
-    """Pulls one step's metrics to host; stops the run on a non-finite loss or gradient."""
-    nonlocal last_metrics
-    values = jax.device_get(metrics)
-    loss = values["loss_sum"] / max(values["weight_sum"], 1.0)
-    if not (np.isfinite(loss) and np.isfinite(values["grad_norm"]) and values["params_finite"]):
-      raise NonFiniteLossError(
-        f"non-finite loss at step {step} (loss {loss}, grad_norm {values['grad_norm']}, "
-        f"parameters finite: {bool(values['params_finite'])}); the run stopped. {last_good()}"
-      )
-    sums[:] += [values["loss_sum"], values["correct_sum"], values["weight_sum"]]
-    last_metrics = values
-
-  def log(step: int) -> None:
-    seconds_per_step = console.rate(step)
-    scalars = {
-      "train_loss": sums[0] / max(sums[2], 1.0),
-      "learning_rate": float(last_metrics["learning_rate"]),
-      "tokens_per_sec": tokens_per_step / max(seconds_per_step, 1e-9),
-      "grad_norm": float(last_metrics["grad_norm"]),
-    }
-    if is_encoder:
-      scalars["train_accuracy"] = sums[1] / max(sums[2], 1.0)
-    writer.write(step, scalars)
-    console.line(step, scalars, seconds_per_step)
-    sums[:] = 0.0
-
-  if start_step >= train.num_train_steps:
-    logging.info("Nothing to train: the checkpoint is at step %d.", start_step)
-  compiled = None
+def _train(loop: train_loop.Loop) -> None:
+  """Steps from loop.start_step to train.num_train_steps, or until a signal asks to stop."""
+  setup, train = loop.setup, loop.config.train
+  step_fn, compiled, pending = _jit_train_step(loop), None, None
   with checkpoint.PreemptionWatcher() as watcher:
-    try:
-      pending = None
-      for step in range(start_step, train.num_train_steps):
-        local = batches.batch(step)
-        batch = sharding.put_batch(local, mesh, rules, train.global_batch_size)
-        step_array = jnp.asarray(step, jnp.int32)
-        if compiled is None:
-          start = time.perf_counter()
-          compiled = step_fn.lower(model_state, opt_state, batch, step_array).compile()
-          logging.info(
-            "Compiled the train step in %.1fs; training from step %d to %d.",
-            time.perf_counter() - start,
-            start_step,
-            train.num_train_steps,
-          )
-          console.start(start_step)
-        model_state, opt_state, metrics = compiled(model_state, opt_state, batch, step_array)
-        done = step + 1
-        # Pull the previous step's metrics after dispatching this one: the host never idles.
-        if pending is not None:
-          finish(*pending)
-        pending = (done, metrics)
-        stop = watcher.requested()
-        if jax.process_count() > 1:
-          # Processes agree on stopping only at logging steps (one collective per interval).
-          stop = done % train.log_every_steps == 0 and _any_process(stop)
-        last = done == train.num_train_steps
-        log_now = done % train.log_every_steps == 0 or last
-        save_now = (
-          last
-          or stop
-          or (train.checkpoint_every_steps and done % train.checkpoint_every_steps == 0)
-        )
-        eval_now = train.eval_max_tokens > 0 and (
-          last or (train.eval_every_steps and done % train.eval_every_steps == 0)
-        )
-        if log_now or save_now or eval_now:
-          finish(*pending)
-          pending = None
-        if log_now:
-          log(done)
-        if save_now:
-          save(done)
-        if stop:
-          manager.wait_until_finished()
-          logging.warning("SIGTERM received: saved the checkpoint of step %d; exiting.", done)
-          break
-        if eval_now:
-          evaluate(done)
-          console.start(done)  # evaluation time is not training throughput
+    for step in range(loop.start_step, train.num_train_steps):
+      local = setup.batches.batch(step)
+      batch = sharding.put_batch(local, setup.mesh, setup.rules, train.global_batch_size)
+      step_array = jnp.asarray(step, jnp.int32)
+      if compiled is None:
+        compiled = _compile(loop, step_fn, batch, step_array)
+        loop.console.start(loop.start_step)
+      loop.model_state, loop.opt_state, metrics = compiled(
+        loop.model_state, loop.opt_state, batch, step_array
+      )
+      done = step + 1
+      # Pull the previous step's metrics after dispatching this one: the host never idles.
       if pending is not None:
-        finish(*pending)
-    finally:
-      manager.wait_until_finished()
-      manager.close()
-      writer.close()
-  return last_eval
-
-
-def _any_process(flag: bool) -> bool:
-  """True on every process if `flag` is True on any (all processes stop at the same step)."""
-  from jax.experimental import multihost_utils
-
-  flags = multihost_utils.process_allgather(np.array([flag], np.int32))
-  return bool(np.max(flags))
+        train_loop.finish_step(loop, *pending)
+      pending = (done, metrics)
+      stop = train_loop.stop_requested(watcher, train, done)
+      due = train_loop.due(train, done, stop)
+      if due.any:
+        train_loop.finish_step(loop, *pending)
+        pending = None
+      if due.log:
+        train_loop.log_train(loop, done)
+      if due.save:
+        train_loop.save(loop, done)
+      if stop:
+        loop.manager.wait_until_finished()
+        logging.warning(
+          "%s received: saved the checkpoint of step %d; exiting.", watcher.signal_name, done
+        )
+        return
+      if due.eval:
+        train_loop.evaluate(loop, done)
+    if pending is not None:
+      train_loop.finish_step(loop, *pending)

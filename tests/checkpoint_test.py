@@ -1,5 +1,8 @@
 """Tests of checkpoint saving, restoring (sharded targets), restore_model and init_from paths."""
 
+import os
+import signal
+
 import jax
 import numpy as np
 import pytest
@@ -94,15 +97,61 @@ def test_init_from_rejects_a_directory_that_is_no_run(tmp_path, train_state):
     checkpoint.load_init_state(str(tmp_path / "missing"), abstract)
 
 
-def test_preemption_watcher_turns_sigterm_into_a_flag():
-  import os
-  import signal
-
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_preemption_watcher_turns_sigterm_and_sigint_into_a_flag(signum):
+  previous = signal.getsignal(signum)
   with checkpoint.PreemptionWatcher() as watcher:
     assert not watcher.requested()
-    os.kill(os.getpid(), signal.SIGTERM)
+    os.kill(os.getpid(), signum)
+    assert watcher.requested() and watcher.signal_name == signum.name
+  assert signal.getsignal(signum) is previous
+
+
+def test_preemption_watcher_second_sigint_interrupts_at_once():
+  with checkpoint.PreemptionWatcher() as watcher:
+    os.kill(os.getpid(), signal.SIGINT)
     assert watcher.requested()
-  assert signal.getsignal(signal.SIGTERM) is not watcher._handle
+    with pytest.raises(KeyboardInterrupt):
+      os.kill(os.getpid(), signal.SIGINT)
+
+
+def test_restore_latest_readable_skips_a_truncated_checkpoint(tmp_path, train_state):
+  rc, mesh, tx, (_, model_state, _, opt_state) = train_state
+  manager = checkpoint.make_manager(tmp_path)
+  for step in (2, 4):
+    checkpoint.save(manager, step, model_state, opt_state, {"step": step})
+  manager.wait_until_finished()
+  data_files = [p for p in (tmp_path / "checkpoints" / "4" / "model").rglob("d/*") if p.is_file()]
+  biggest = max(data_files, key=lambda p: p.stat().st_size)
+  biggest.write_bytes(biggest.read_bytes()[:50])
+  _, model_abs, _, opt_abs = train_lib.abstract_train_state(rc, tx, mesh, rc.mesh.rules)
+  restored, _, meta, step, unreadable = checkpoint.restore_latest_readable(
+    manager, model_abs, opt_abs
+  )
+  assert (step, unreadable, meta) == (2, [4], {"step": 2})
+  for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(model_state), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  moved = checkpoint.set_aside(tmp_path, 4)
+  assert moved == tmp_path / checkpoint.UNREADABLE_DIR / "4" and moved.is_dir()
+  manager.reload()
+  assert manager.all_steps() == [2]
+  manager.close()
+
+
+def test_restore_latest_readable_without_a_readable_checkpoint_raises_one_line(
+  tmp_path, train_state
+):
+  rc, mesh, tx, (_, model_state, _, opt_state) = train_state
+  manager = checkpoint.make_manager(tmp_path)
+  checkpoint.save(manager, 3, model_state, opt_state, {"step": 3})
+  manager.wait_until_finished()
+  for path in (tmp_path / "checkpoints" / "3" / "optimizer").rglob("d/*"):
+    path.write_bytes(b"")
+  _, model_abs, _, opt_abs = train_lib.abstract_train_state(rc, tx, mesh, rc.mesh.rules)
+  with pytest.raises(checkpoint.CheckpointNotFoundError) as error:
+    checkpoint.restore_latest_readable(manager, model_abs, opt_abs)
+  manager.close()
+  assert "\n" not in str(error.value) and "step 3:" in str(error.value)
 
 
 @pytest.mark.parametrize("suffix", ["", "checkpoints", "checkpoints/4"])

@@ -167,3 +167,33 @@ def test_check_resume_names_every_changed_field():
   for field in ("optim.learning_rate", "posenc.kind", "train.seed"):
     assert field in str(error.value)
   assert "train.num_train_steps" in str(error.value)  # it says what may change
+
+
+@pytest.mark.parametrize(
+  "overrides, field, source",
+  [
+    ({"data.files": "corpus/*.txt"}, "data.files", "data.source='pystdlib'"),
+    ({"data.validation_files": "v/*.txt"}, "data.validation_files", "data.source='pystdlib'"),
+    ({"data.source": "files", "data.files": "a.txt", "data.hub_name": "x/y"}, "data.hub_name",
+     "data.source='files'"),
+    ({"data.streaming": True}, "data.streaming", "data.source='pystdlib'"),
+  ],
+)  # fmt: skip
+def test_run_config_rejects_a_field_its_data_source_does_not_read(overrides, field, source):
+  with pytest.raises(ConfigError) as error:
+    config_lib.run_config_from_dict(_config_dict(**overrides))
+  assert field in str(error.value) and source in str(error.value)
+
+
+def test_run_config_rejects_an_unknown_text_encoding():
+  with pytest.raises(ConfigError, match="data.text_encoding='utf-9'"):
+    config_lib.run_config_from_dict(_config_dict(**{"data.text_encoding": "utf-9"}))
+
+
+def test_check_resume_accepts_a_config_json_written_before_a_field_existed():
+  old = config_lib.to_dict(config_lib.run_config_from_dict(default.get_config()))
+  del old["data"]["text_encoding"]  # a field added later, whose default keeps the old behaviour
+  config_lib.check_resume(old, config_lib.run_config_from_dict(default.get_config()))
+  changed = config_lib.run_config_from_dict(_config_dict(**{"data.text_encoding": "latin-1"}))
+  with pytest.raises(ConfigError, match="data.text_encoding"):
+    config_lib.check_resume(old, changed)

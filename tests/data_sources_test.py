@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from roformer import data
-from roformer.data import pystdlib
+from roformer.data import local_files, pystdlib
 from roformer.data.tokenizer import ByteTokenizer
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "data"
@@ -215,6 +215,54 @@ def test_load_corpus_bad_input_raises_data_error_naming_field(tmp_path, case):
   overrides, pattern = _bad_inputs(tmp_path)[case]
   with pytest.raises(data.DataError, match=pattern):
     data.load_corpus(_cfg(tmp_path, **overrides), workdir=str(tmp_path / "run"))
+
+
+def _latin1_corpus(tmp_path, ext: str) -> pathlib.Path:
+  """One good UTF-8 file and one Latin-1 file whose first non-ASCII byte is at offset 9."""
+  folder = tmp_path / "text"
+  folder.mkdir()
+  if ext == ".txt":
+    (folder / "a_good.txt").write_text("caf\u00e9 ok\n" * 20, encoding="utf-8")
+    (folder / "b_latin1.txt").write_bytes("plain\ncaf\u00e9 au lait\n".encode("latin-1") * 20)
+  else:
+    good = json.dumps({"text": "fine"}) + "\n"
+    (folder / "a_good.jsonl").write_text(good * 20, encoding="utf-8")
+    bad = good * 3000 + json.dumps({"text": "caf\u00e9"}, ensure_ascii=False) + "\n"
+    (folder / "b_latin1.jsonl").write_bytes(bad.encode("latin-1"))
+  return folder
+
+
+@pytest.mark.parametrize("ext, offset", [(".txt", 9), (".jsonl", 3000 * 17 + 13)])
+def test_files_undecodable_text_names_file_offset_and_text_encoding(tmp_path, ext, offset):
+  folder = _latin1_corpus(tmp_path, ext)
+  cfg = _cfg(tmp_path, source="files", files=str(folder / f"*{ext}"))
+  with pytest.raises(data.DataError) as error:
+    data.load_corpus(cfg, workdir="").tokens("train")
+  message = str(error.value)
+  assert f"b_latin1{ext} is not utf-8 text (byte 0xe9 at offset {offset})" in message
+  assert "data.text_encoding" in message and "a_good" not in message
+
+
+def test_files_text_encoding_decodes_latin1(tmp_path):
+  folder = _latin1_corpus(tmp_path, ".txt")
+  cfg = _cfg(
+    tmp_path,
+    source="files",
+    files=str(folder / "b_latin1.txt"),
+    validation_files=str(folder / "b_latin1.txt"),
+    text_encoding="latin-1",
+  )
+  tokens = data.load_corpus(cfg, workdir="", splits=("train",)).tokens("train")
+  (document,) = _bytes_docs(np.asarray(tokens))
+  assert document == "plain\ncaf\u00e9 au lait\n" * 20
+
+
+def test_first_undecodable_byte_is_exact_across_read_chunks(tmp_path):
+  path = tmp_path / "big.txt"
+  head = "\u00e9".encode() * ((1 << 20) // 2) + b"x"  # a two-byte character cut by the chunk end
+  path.write_bytes(head + "\u00e9".encode() + b"\xff")
+  assert local_files.first_undecodable_byte(str(path), "utf-8") == len(head) + 2
+  assert local_files.first_undecodable_byte(str(path), "latin-1") is None
 
 
 def test_hub_unreachable_endpoint_fails_fast(tmp_path, monkeypatch):

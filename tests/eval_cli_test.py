@@ -16,7 +16,9 @@ from roformer.model import make_model
 
 REPO = Path(__file__).resolve().parent.parent
 SEQ_LEN = 32
-JSON_KEYS = {"step", "posenc", "rope_scaling", "split", "records", "per_position"}
+JSON_KEYS = {
+  "step", "posenc", "rope_scaling", "attention_window", "notes", "split", "records", "per_position"
+}  # fmt: skip
 
 
 def _write_text(path: Path, seed: int, lines: int = 60):
@@ -80,7 +82,7 @@ def _run_cli(*args):
 def test_evaluate_workdir_writes_design_schema_json_and_png(rope_run):
   lines = []
   result, path = _evaluate(rope_run, log=lines.append)
-  assert path == rope_run / "eval" / "ppl_vs_length.json"
+  assert path == rope_run / "eval" / "ppl_vs_length_len32-64.json"
   written = json.loads(path.read_text())
   assert written == json.loads(json.dumps(result))
   assert set(written) == JSON_KEYS
@@ -95,14 +97,17 @@ def test_evaluate_workdir_writes_design_schema_json_and_png(rope_run):
     (64, "nonoverlapping"),
     (64, "sliding"),
   ]
+  assert written["notes"] == ["stride L/4"] and written["attention_window"] is None
   for r in records:
-    assert set(r) == {"length", "protocol", "loss", "ppl", "tokens"}
+    sliding = {"stride"} if r["protocol"] == "sliding" else set()
+    assert set(r) == {"length", "protocol", "loss", "ppl", "tokens"} | sliding
+    assert r.get("stride", r["length"] // 4) == r["length"] // 4
     assert r["ppl"] == pytest.approx(np.exp(r["loss"]))
   assert {r["tokens"] for r in records} == {128}
   assert written["per_position"]["length"] == 64
   assert len(written["per_position"]["loss"]) == 64
   assert all(np.isfinite(written["per_position"]["loss"]))
-  assert (rope_run / "eval" / "ppl_vs_length.png").read_bytes()[:4] == b"\x89PNG"
+  assert (rope_run / "eval" / "ppl_vs_length_len32-64.png").read_bytes()[:4] == b"\x89PNG"
   assert any("length 2/2" in line and "tokens/s" in line for line in lines)
 
 
@@ -111,8 +116,8 @@ def test_evaluate_workdir_rope_scaling_writes_a_separate_file(rope_run):
   scaled, path = _evaluate(
     rope_run, lengths=[64], protocol="nonoverlapping", rope_scaling="linear", rope_factor=2.0
   )
-  assert path.name == "ppl_vs_length_linear_2.json"
-  assert (rope_run / "eval" / "ppl_vs_length_linear_2.png").exists()
+  assert path.name == "ppl_vs_length_len64_nonoverlapping_linear_2.json"
+  assert (rope_run / "eval" / "ppl_vs_length_len64_nonoverlapping_linear_2.png").exists()
   assert json.loads(plain_path.read_text()) == json.loads(json.dumps(plain))
   assert scaled["rope_scaling"] == {"kind": "linear", "factor": 2.0}
   # Same weights, other frequencies: a different loss on the same tokens.
@@ -157,8 +162,19 @@ def test_eval_model_config_dense_attention_becomes_auto():
 
 
 def test_default_lengths_and_output_name():
-  assert eval_run.default_lengths(256) == [256, 512, 1024, 2048, 4096]
+  default = eval_run.default_lengths(256)
+  assert default == [256, 512, 1024, 2048, 4096]
   assert eval_run.output_name() == "ppl_vs_length"
+  assert eval_run.output_name(lengths=default[::-1], default=default) == "ppl_vs_length"
+  # What changes the result changes the name: lengths, protocol, stride.
+  assert (
+    eval_run.output_name(lengths=[512, 256], default=default, protocol="sliding", stride=64)
+    == "ppl_vs_length_len256-512_sliding_stride64"
+  )
+  assert eval_run.output_name(protocol="nonoverlapping", stride=64) == (
+    "ppl_vs_length_nonoverlapping"
+  )
+  assert eval_run.output_name(protocol="both", stride=32) == "ppl_vs_length_stride32"
   assert eval_run.output_name(rope_scaling="yarn", rope_factor=4.0) == "ppl_vs_length_yarn_4"
   assert eval_run.output_name("mine", rope_scaling="yarn", rope_factor=4.0) == "mine"
   assert eval_run.output_name(split="test") == "ppl_vs_length_test"
@@ -250,11 +266,55 @@ def test_eval_cli_reproduces_the_training_eval_loss(tmp_path, model_kind):
     "--max_tokens=256",
   )  # fmt: skip
   assert proc.returncode == 0, proc.stderr[-3000:]
-  result = json.loads((workdir / "eval" / "ppl_vs_length.json").read_text())
+  result = json.loads((workdir / "eval" / "ppl_vs_length_len32_nonoverlapping.json").read_text())
   (record,) = result["records"]
   assert result["step"] == 12
   assert record["tokens"] == logged["eval_tokens"]
   assert abs(record["loss"] - logged["eval_loss"]) <= 1e-5
   if model_kind == "encoder":
     assert abs(record["accuracy"] - logged["eval_accuracy"]) <= 1e-5
-  assert (workdir / "eval" / "ppl_vs_length.png").read_bytes()[:4] == b"\x89PNG"
+  png = workdir / "eval" / "ppl_vs_length_len32_nonoverlapping.png"
+  assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_evaluate_workdir_refuses_to_overwrite_a_result_without_overwrite(rope_run):
+  args = dict(lengths=[32], protocol="nonoverlapping", max_tokens=64)
+  first, path = _evaluate(rope_run, **args)
+  path.write_text(path.read_text().replace('"step": 7', '"step": 3'))
+  before = path.read_bytes()
+  with pytest.raises(
+    FileExistsError, match=r"ppl_vs_length_len32_nonoverlapping.json exists \(step 3\).*--overwrite"
+  ):
+    _evaluate(rope_run, **args)
+  assert path.read_bytes() == before
+  again, path_again = _evaluate(rope_run, overwrite=True, **args)
+  assert path_again == path and json.loads(path.read_text())["step"] == 7
+  assert again["records"] == first["records"]
+
+
+def test_evaluate_workdir_resolves_a_relative_workdir(rope_run, monkeypatch):
+  monkeypatch.chdir(rope_run.parent)
+  _, path = _evaluate(rope_run.name, lengths=[32], protocol="sliding", stride=16, max_tokens=64)
+  assert path == rope_run / "eval" / "ppl_vs_length_len32_sliding_stride16.json"
+  assert path.exists()
+
+
+@pytest.mark.parametrize(
+  "args, expected",
+  [
+    (["--workdir=DIR", "--rope_factor=4"], "--rope_factor=4 needs --rope_scaling"),
+    (["--workdir=DIR", "--compare=DIR", "--plot=x.png"], "--workdir is not read by --compare"),
+    (["--compare=DIR", "--plot=x.png", "--lengths=64"], "--lengths is not read by --compare"),
+    (["--workdir=DIR", "--plot=x.png"], "--plot needs --compare"),
+    (["--workdir=DIR", "--protocol=nonoverlapping", "--stride=8"], "--stride"),
+    (["--workdir="], "--workdir is empty"),
+    (["--workdir=DIR", "--lengths=32", "--protocol=nonoverlapping"], "--overwrite"),
+  ],
+)
+def test_eval_cli_bad_flag_combinations_exit_with_one_line(rope_run, args, expected):
+  _evaluate(rope_run, lengths=[32], protocol="nonoverlapping", overwrite=True)
+  proc = _run_cli(*(a.replace("DIR", str(rope_run)) for a in args))
+  assert proc.returncode != 0
+  assert "Traceback" not in proc.stderr
+  errors = [line for line in proc.stderr.splitlines() if "error" in line]
+  assert len(errors) == 1 and expected in errors[0], proc.stderr[-2000:]

@@ -295,7 +295,8 @@ def test_non_finite_loss_stops_naming_step_and_last_good_checkpoint(tmp_path):
 
 
 @pytest.mark.slow
-def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])  # a preemption, Ctrl-C
+def test_signal_saves_a_checkpoint_and_exits_cleanly(tmp_path, signum):
   overrides = {
     "train.num_train_steps": 100_000,
     "train.checkpoint_every_steps": 0,
@@ -309,10 +310,11 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     assert process.poll() is None, log_path.read_text()[-3000:]
     assert time.time() < deadline
     time.sleep(0.05)
-  process.send_signal(signal.SIGTERM)
+  process.send_signal(signum)
   assert process.wait(timeout=300) == 0, log_path.read_text()[-3000:]
   log = log_path.read_text()
-  assert "SIGTERM received: saved the checkpoint of step" in log
+  assert "Traceback" not in log
+  assert f"{signum.name} received: saved the checkpoint of step" in log
   steps = train_helpers.checkpoint_steps(tmp_path / "run")
   assert len(steps) == 1 and 3 <= steps[0] < 100_000
   assert f"saved the checkpoint of step {steps[0]}" in log

@@ -3,6 +3,11 @@
 import dataclasses
 
 SOURCES = ("pystdlib", "files", "hub")
+# Fields only one source reads, unset when "" or False: setting one for another source is an error.
+SOURCE_FIELDS = {
+  "files": ("files", "validation_files", "test_files"),
+  "hub": ("hub_name", "hub_config", "streaming"),
+}
 TOKENIZERS = ("bytes", "bpe", "wordpiece")
 
 
@@ -14,6 +19,7 @@ class DataConfig:
   test_files: str = ""  # files: optional glob of a test split ("" = the source has no test split)
   validation_fraction: float = 0.05
   text_field: str = "text"  # .jsonl / .parquet / hub column holding the text
+  text_encoding: str = "utf-8"  # files: encoding of .txt / .jsonl files
   hub_name: str = ""
   hub_config: str = ""
   hub_train_split: str = "train"

@@ -7,6 +7,7 @@ exists only when data.test_files is set.
 
 from __future__ import annotations
 
+import codecs
 import glob
 import json
 import logging
@@ -57,7 +58,7 @@ class FilesSource(sources.Source):
     self._files = {split: expand(g, field=f) for split, (f, g) in self._globs.items()}
     for split, paths in self._files.items():
       for path in paths:
-        _check_text_field(path, cfg.text_field, field=self._globs[split][0])
+        _check_text_field(path, cfg, field=self._globs[split][0])
 
   def identity(self):
     stats = {
@@ -68,6 +69,7 @@ class FilesSource(sources.Source):
       "source": "files",
       "files": stats,
       "text_field": self._cfg.text_field,
+      "text_encoding": self._cfg.text_encoding,
       "validation_fraction": None if "validation" in self._files else self._cfg.validation_fraction,
     }
 
@@ -100,6 +102,11 @@ class FilesSource(sources.Source):
     text_field = self._cfg.text_field
     for builder, files in by_builder.items():
       kwargs = {"sample_by": "document"} if builder == "text" else {}
+      if builder != "parquet":
+        kwargs["encoding"] = self._cfg.text_encoding
+        # Checked first: the JSON reader keeps invalid UTF-8 and fails later, naming no file.
+        for path in files:
+          _check_decodable(path, self._cfg.text_encoding, where=where)
       try:
         ds = datasets.load_dataset(
           builder, data_files=files, split="train", cache_dir=self._cache_dir, **kwargs
@@ -120,12 +127,51 @@ class FilesSource(sources.Source):
     return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
 
 
-def _check_text_field(path: str, text_field: str, *, field: str) -> None:
+def first_undecodable_byte(path: str, encoding: str) -> int | None:
+  """Offset of the first byte of `path` that is not valid `encoding` text, or None."""
+  decoder = codecs.getincrementaldecoder(encoding)()
+  offset = 0  # bytes read so far
+  with open(path, "rb") as f:
+    while chunk := f.read(1 << 20):
+      pending = len(decoder.getstate()[0])  # bytes of a character cut by the last chunk
+      try:
+        decoder.decode(chunk)
+      except UnicodeDecodeError as e:
+        return offset - pending + e.start
+      offset += len(chunk)
+    pending = len(decoder.getstate()[0])
+    try:
+      decoder.decode(b"", final=True)
+    except UnicodeDecodeError as e:
+      return offset - pending + e.start
+  return None
+
+
+def _check_decodable(path: str, encoding: str, *, where: str) -> None:
+  """DataError naming the file, the byte offset and data.text_encoding if `path` is not text."""
+  offset = first_undecodable_byte(path, encoding)
+  if offset is None:
+    return
+  with open(path, "rb") as f:
+    f.seek(offset)
+    byte = f.read(1)[0]
+  raise DataError(
+    f"{where}: {path} is not {encoding} text (byte 0x{byte:02x} at offset {offset}); set "
+    f"data.text_encoding to the file's encoding (e.g. latin-1), or convert the file to {encoding}"
+  )
+
+
+def _check_text_field(path: str, cfg: DataConfig, *, field: str) -> None:
   """DataError naming data.text_field and `path` if its first record has no such column."""
   ext = os.path.splitext(path)[1].lower()
+  text_field = cfg.text_field
   if ext in (".jsonl", ".json"):
-    with open(path, encoding="utf-8") as f:
-      first = next((line for line in f if line.strip()), "")
+    try:
+      with open(path, encoding=cfg.text_encoding) as f:
+        first = next((line for line in f if line.strip()), "")
+    except UnicodeDecodeError:
+      _check_decodable(path, cfg.text_encoding, where=field)
+      raise
     if not first:
       return  # an empty file adds no documents
     try:
