@@ -318,6 +318,11 @@ def run_config_from_dict(config: Any, *, vocab_size: int | None = None) -> RunCo
   mesh = _build(MeshConfig, mesh_values, "mesh", rules=rules)
   _validate_mesh(mesh)
   _validate_model(model, data.seq_len)
+  _check(
+    posenc.randomize_max == 0 or posenc.randomize_max >= data.seq_len,
+    f"posenc.randomize_max={posenc.randomize_max} must be 0 (consecutive positions) or >= "
+    f"data.seq_len={data.seq_len}: training positions are a sorted subset of [0, randomize_max)",
+  )
   return RunConfig(model=model, data=data, optim=optim, train=train, mesh=mesh)
 
 

@@ -518,13 +518,13 @@ def test_posenc_modules_run_under_jit_as_pytrees(kind):
   # Exactly the hooks of its kind changed something.
   assert bool(jnp.any(x2 != x)) == (kind in ("sinusoidal", "learned"))
   assert bool(jnp.any(q2 != q)) == (kind in ("rope", "xpos"))
-  assert bool(jnp.any(bias_BHLS != 0)) == (kind in ("alibi", "t5"))
+  assert bool(jnp.any(bias_BHLS != 0)) == (kind in ("alibi", "t5", "kerple", "fire", "sandwich"))
 
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_make_posenc_builds_under_eval_shape_for_every_kind(causal):
   # Restoring a checkpoint or a sharded init builds the model, and so its encoding, in a trace.
-  for kind in [k for k in POSENC_KINDS if causal or k != "xpos"]:  # xpos is causal only
+  for kind in [k for k in POSENC_KINDS if causal or k not in ("xpos", "cope")]:  # causal only
     concrete = make(kind, causal=causal)
     abstract = nnx.eval_shape(lambda kind=kind: make(kind, causal=causal))
     assert type(abstract) is type(concrete)
@@ -544,7 +544,7 @@ def test_registry_covers_every_config_kind():
 @pytest.mark.parametrize("kind", POSENC_KINDS)
 @pytest.mark.parametrize("causal", [True, False])
 def test_validate_posenc_accepts_good_configs(kind, causal):
-  if kind == "xpos" and not causal:
+  if kind in ("xpos", "cope") and not causal:
     return
   posenc.validate_posenc(PosEncConfig(kind=kind), causal=causal, head_dim=64, seq_len=512)
 
