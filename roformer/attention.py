@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 # (qpos_BL, kpos_BS) -> float32 [B, H, L, S] or None: the positional bias of one block of positions.
 BiasFn = Callable[[jax.Array, jax.Array], jax.Array | None]
-# (q_BLHK, k_BSGK, mask_BLS) -> float32 [B, H, L, S]: a content-dependent bias (`PosEnc.content_bias`).
+# (q_BLHK, k_BSGK, mask_BLS) -> float32 [B, H, L, S]: a content-dependent bias (CoPE).
 ContentBiasFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
 # Masked logits get a large finite value, not -inf, so that a block whose keys are all masked gives
