@@ -17,6 +17,7 @@ from etils import epath
 from flax import nnx
 
 from roformer import checkpoint, config_lib, eval_lib, metrics_log, sharding
+from roformer.randomized_positions import randomize_positions
 from roformer import data as data_lib
 from roformer import model as model_lib
 from roformer.config_lib import ConfigError, OptimConfig, RunConfig
@@ -109,13 +110,21 @@ def train_step(
   schedule: optax.Schedule,
   seed: int,
   grad_accum_steps: int,
+  randomize_max: int = 0,
 ):
   """One optimizer step on a global batch; returns (model_state, opt_state, metrics).
 
   The loss is the sum of weighted token losses divided by the batch's total weight, so gradient
   accumulation over microbatches gives the same update as one big batch. Dropout keys are
   fold_in(key(seed), step) (then the microbatch index): a resumed run draws the same masks.
+  With `randomize_max` (posenc.randomize_max), the batch's positions are replaced by sorted
+  random subsets of [0, randomize_max) drawn from (seed, step) (`randomize_positions`).
   """
+  if randomize_max:
+    positions_BL = randomize_positions(
+      batch["positions"], max_position=randomize_max, seed=seed, step=step
+    )
+    batch = dict(batch, positions=positions_BL)
   model = nnx.merge(model_def, model_state)
   optimizer = nnx.merge(opt_def, opt_state)
   step_key = jax.random.fold_in(jax.random.key(seed), step)
@@ -329,6 +338,7 @@ def train_and_evaluate(config: Any, workdir: str) -> dict:
       schedule=schedule,
       seed=train.seed,
       grad_accum_steps=optim.grad_accum_steps,
+      randomize_max=rc.model.posenc.randomize_max,
     ),
     in_shardings=(model_sh, opt_sh, batch_sh, repl),
     out_shardings=(model_sh, opt_sh, repl),
