@@ -17,10 +17,10 @@ from etils import epath
 from flax import nnx
 
 from roformer import checkpoint, config_lib, eval_lib, metrics_log, sharding
-from roformer.randomized_positions import randomize_positions
 from roformer import data as data_lib
 from roformer import model as model_lib
 from roformer.config_lib import ConfigError, OptimConfig, RunConfig
+from roformer.randomized_positions import randomize_positions
 
 
 class NonFiniteLossError(RuntimeError):
