@@ -128,7 +128,8 @@ def get_config() -> ml_collections.ConfigDict:
 
   # ---- data: corpus, tokenizer and windows ----
   config.data = data = ml_collections.ConfigDict()
-  # "pystdlib" (this interpreter's standard library sources), "files" or "hub".
+  # "pystdlib" (this interpreter's standard library sources), "files", "hub" or "synthetic"
+  # (a generated task, data.task; decoders only).
   data.source = "pystdlib"
   # files: glob of .txt / .jsonl / .parquet training files.
   data.files = ""
@@ -169,6 +170,16 @@ def get_config() -> ml_collections.ConfigDict:
   data.mlm_probability = 0.15
   # Where tokenized corpora are cached: "" = $ROFORMER_CACHE or ~/.cache/roformer.
   data.cache_dir = ""
+  # synthetic: the task, one of copy, reverse, sort, addition, associative_recall, passkey
+  # (roformer/data/synthetic.py); the loss covers the answer tokens only.
+  data.task = "copy"
+  # synthetic: training task lengths are drawn uniformly from [task_min_len, task_max_len]
+  # (letters to copy, digits per operand, key-value pairs, filler tokens); data.seq_len must
+  # hold an example of task_max_len.
+  data.task_min_len = 8
+  data.task_max_len = 32
+  # synthetic addition: write every number least significant digit first.
+  data.task_lsb_first = False
 
   # ---- optim: AdamW with warmup then decay ----
   config.optim = optim = ml_collections.ConfigDict()

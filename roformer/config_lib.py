@@ -13,6 +13,7 @@ from typing import Any
 from etils import epath
 
 from roformer import model as model_lib
+from roformer.data import synthetic
 from roformer.data.config import SOURCES, TOKENIZERS, DataConfig
 from roformer.model import ModelConfig
 from roformer.posenc_config import PosEncConfig, RopeScaling
@@ -202,6 +203,11 @@ def _validate_data(data: DataConfig) -> None:
     0.0 < data.mlm_probability < 1.0,
     f"data.mlm_probability must be in (0, 1), got {data.mlm_probability}",
   )
+  if data.source == "synthetic":
+    try:
+      synthetic.check_config(data)
+    except ValueError as e:
+      raise ConfigError(str(e)) from e
 
 
 def _validate_optim(optim: OptimConfig) -> None:

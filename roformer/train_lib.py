@@ -205,8 +205,7 @@ def _setup(config: Any, workdir: epath.Path) -> _Setup:
       f"{ways} ways the batch is split over the mesh ({dict(mesh.shape)})"
     )
   batch_index, batch_count = sharding.process_batch_slice(mesh, rules, train.global_batch_size)
-  batches = data_lib.TrainBatches(
-    corpus,
+  batches = corpus.train_batches(
     run_config.data,
     model_kind=run_config.model.kind,
     global_batch_size=train.global_batch_size,
