@@ -2,7 +2,8 @@
 
 Run: python train.py --config=configs/synthetic_copy.py --workdir=/tmp/copy
 Then: python eval.py --workdir=/tmp/copy --task_lengths=8,16,32,64,128,256
-Any encoding: --config.posenc.kind=alibi (etc.); randomized positions: --config.posenc.randomize_max=N.
+Any encoding: --config.posenc.kind=alibi (etc.);
+randomized positions: --config.posenc.randomize_max=N.
 """
 
 from configs import default

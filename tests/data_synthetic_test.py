@@ -14,7 +14,7 @@ TOK = ByteTokenizer()
 
 
 class PresetRng:
-  """Stands in for np.random.Generator: returns preset draws in order (to build examples by hand)."""
+  """Stands in for np.random.Generator: preset draws in order (to build examples by hand)."""
 
   def __init__(self, *draws):
     self.draws = list(draws)

@@ -283,6 +283,7 @@ class SyntheticCorpus:
   ) -> SyntheticBatches:
     if model_kind != "decoder":
       raise DataError(
-        f"data.source='synthetic' trains decoders (next-token answers); got model.kind={model_kind!r}"
+        "data.source='synthetic' trains decoders (next-token answers); "
+        f"got model.kind={model_kind!r}"
       )
     return SyntheticBatches(cfg, global_batch_size=global_batch_size, seed=seed, **kwargs)
