@@ -14,7 +14,7 @@ def get_config():
   config.model.num_layers = 2
   config.model.emb_dim = 128
   config.model.num_heads = 4
-  config.model.mlp_dim = 512
+  config.model.mlp_dim = 256
   config.model.attention_impl = "auto"
   config.model.attention_block = 128
   config.posenc.kind = "rope"
@@ -23,13 +23,13 @@ def get_config():
   config.data.task_min_len = 8
   config.data.task_max_len = 32
   config.data.seq_len = 64  # an example of 32 letters is 65 tokens: 64 inputs
-  config.optim.learning_rate = 1e-3
+  config.optim.learning_rate = 2e-3
   config.optim.warmup_steps = 50
   config.optim.weight_decay = 0.0
   config.train.global_batch_size = 32
-  config.train.num_train_steps = 1000
-  config.train.log_every_steps = 50
+  config.train.num_train_steps = 1200
+  config.train.log_every_steps = 100
   config.train.eval_every_steps = 0
   config.train.eval_max_tokens = 4096
-  config.train.checkpoint_every_steps = 500
+  config.train.checkpoint_every_steps = 300
   return config

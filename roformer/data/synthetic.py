@@ -6,7 +6,8 @@ answer (roformer/eval_tasks.py). Tokens are bytes of the `bytes` tokenizer, so e
 text. The task length n (`data.task_min_len`..`data.task_max_len` in training, any n at
 evaluation) counts:
 
-  copy, reverse, sort    n letters, then '>', then the letters copied / reversed / sorted
+  copy, reverse, sort    n symbols of a-z, A-Z, 0-9, then '>', then the symbols copied /
+                         reversed / sorted (byte order)
   addition               two n-digit numbers 'a+b=' then the n + 1 digits of the sum
                          (most significant first, or least significant first everywhere with
                          data.task_lsb_first)
@@ -35,7 +36,11 @@ from roformer.data.tokenizer import ByteTokenizer
 TASKS = ("copy", "reverse", "sort", "addition", "associative_recall", "passkey")
 # Seed-sequence streams: training rows, and the fixed validation / test streams.
 _TRAIN_STREAM, _SPLIT_STREAMS = 2, {"train": 3, "validation": 4, "test": 5}
-_LETTERS = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz", np.uint8).astype(np.int32)
+# 62 symbols: with 26, strings of 32 repeat most letters and many bigrams, so copying needs far
+# longer matches; with 62, a repeated trigram is rare (~0.3% of 32-symbol strings).
+_LETTERS = np.frombuffer(
+  b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789", np.uint8
+).astype(np.int32)
 _DIGITS = np.frombuffer(b"0123456789", np.uint8).astype(np.int32)
 _KEYS = np.arange(128, 256, dtype=np.int32)  # byte ids no text above uses
 MAX_RECALL_PAIRS = len(_KEYS)
