@@ -173,10 +173,11 @@ def get_config() -> ml_collections.ConfigDict:
   # synthetic: the task, one of copy, reverse, sort, addition, associative_recall, passkey
   # (roformer/data/synthetic.py); the loss covers the answer tokens only.
   data.task = "copy"
-  # synthetic: training task lengths are drawn uniformly from [task_min_len, task_max_len]
-  # (letters to copy, digits per operand, key-value pairs, filler tokens); data.seq_len must
-  # hold an example of task_max_len.
+  # synthetic: shortest training task length; training lengths are drawn uniformly from
+  # [task_min_len, task_max_len] (symbols to copy, digits per operand, key-value pairs, filler
+  # tokens).
   data.task_min_len = 8
+  # synthetic: longest training task length (data.seq_len must hold an example of it).
   data.task_max_len = 32
   # synthetic addition: write every number least significant digit first.
   data.task_lsb_first = False

@@ -48,3 +48,13 @@ def test_uniform_over_the_range():
 def test_a_range_shorter_than_the_sequence_is_refused():
   with pytest.raises(ValueError, match="posenc.randomize_max=4 must be >= the sequence length 8"):
     _draw(np.arange(8)[None], step=0, max_position=4)
+
+
+def test_config_refuses_a_range_shorter_than_the_training_length():
+  from configs import default
+  from roformer import config_lib
+
+  config = default.get_config()
+  config.posenc.randomize_max = 100  # data.seq_len is 512
+  with pytest.raises(config_lib.ConfigError, match="posenc.randomize_max=100 must be 0 .* >= "):
+    config_lib.run_config_from_dict(config)
