@@ -1,7 +1,10 @@
-"""A small decoder that learns to copy strings of 8..32 letters (data.source=synthetic).
+"""A small decoder (299k parameters) trained to copy strings of 8..32 symbols (synthetic data).
 
 Run: python train.py --config=configs/synthetic_copy.py --workdir=/tmp/copy
 Then: python eval.py --workdir=/tmp/copy --task_lengths=8,16,32,64,128,256
+Measured (2-core CPU under load, 5.5 minutes): exact match 0.13 / 0.09 / 0.00 and per-token
+accuracy 0.74 / 0.85 / 0.40 at lengths 8 / 16 / 32, still improving when the 1200 steps ended;
+it does not yet reach the 95% exact match at 32 this config is meant for (see docs/synthetic.md).
 Any encoding: --config.posenc.kind=alibi (etc.);
 randomized positions: --config.posenc.randomize_max=N.
 """
