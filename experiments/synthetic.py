@@ -9,7 +9,8 @@ and scores exact match and per-token accuracy from that range to 8x its longest 
   python experiments/synthetic.py --scale=cpu --only=copy/fire          # runs whose name matches
 
 Writes OUT/<run>.json (the task evaluation plus the run's settings and training time),
-OUT/results.csv, OUT/<task>.png and OUT/table.md. Training workdirs go to --workdir_root.
+OUT/results.csv, OUT/<task>.png, OUT/passkey_heatmap__<run>.png (exact match by depth x length)
+and OUT/table.md. Training workdirs go to --workdir_root.
 """
 
 import csv
@@ -178,6 +179,10 @@ def write_summaries(out: str, results: list[dict]) -> None:
       os.path.join(out, f"{task}.png"),
       title=f"{task}: exact match (solid) and per-token accuracy (dashed)",
     )
+    for r in runs:
+      if "passkey_depths" in r:
+        suffix = r["encoding"] + ("+randomized" if r["randomized"] else "")
+        task_plot.plot_passkey_heatmap(r, os.path.join(out, f"passkey_heatmap__{suffix}.png"))
     lengths = sorted({rec["length"] for r in runs for rec in r["records"]})
     lo, hi = runs[0]["train_lengths"]
     lines += [f"## {task} (trained on lengths {lo}..{hi})", ""]

@@ -70,6 +70,20 @@ def test_task_plots_are_written(tmp_path):
   assert png.read_bytes()[:4] == heat.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_compare_draws_task_curves_of_several_runs(tmp_path):
+  for name in ("a", "b"):
+    result = {
+      "task": "copy", "posenc": name, "randomize_max": 0, "train_lengths": [2, 4],
+      "records": [{"length": 2, "exact_match": 0.5, "token_accuracy": 0.75}],
+    }  # fmt: skip
+    (tmp_path / name / "eval").mkdir(parents=True)
+    (tmp_path / name / "eval" / "task_vs_length.json").write_text(json.dumps(result))
+  png = task_plot.compare_runs([str(tmp_path / "a"), str(tmp_path / "b")], tmp_path / "c.png")
+  assert png.read_bytes()[:4] == b"\x89PNG"
+  with pytest.raises(FileNotFoundError, match="--task_lengths"):
+    task_plot.compare_runs([str(tmp_path / "missing")], tmp_path / "d.png")
+
+
 # ---- End to end (slow): train.py by config alone, evaluation at 8x the training length ----
 
 TINY = [

@@ -34,6 +34,7 @@ def test_tiny_grid_writes_every_output_and_resumes(tmp_path):
     lo, hi = result["train_lengths"]
     assert [r["length"] for r in result["records"]] == sorted({lo, hi, 2 * hi, 4 * hi, 8 * hi})
   assert "passkey_depths" in json.loads((out / "passkey__fire+randomized.json").read_text())
+  assert (out / "passkey_heatmap__fire+randomized.png").exists()
   rows = list(csv.DictReader(open(out / "results.csv")))
   assert len(rows) == 6 * 5 and {r["randomized"] for r in rows} == {"True", "False"}
   assert "| fire | yes |" in (out / "table.md").read_text()
