@@ -4,6 +4,8 @@ This file is intentionally kept short; the logic lives in roformer/eval_run.py a
 
   python eval.py --workdir=DIR [--lengths=256,512] [--protocol=both] [--rope_scaling=yarn ...]
   python eval.py --compare=DIR1,DIR2 --plot=FILE.png
+  python eval.py --workdir=DIR --task_lengths=8,32,256   # synthetic-task runs: accuracy vs length
+  python eval.py --compare=DIR1,DIR2 --plot=FILE.png --out=task_vs_length
 """
 
 import sys
@@ -34,11 +36,19 @@ flags.DEFINE_string("out", "", "NAME of DIR/eval/NAME.json|png (or of the JSON -
 flags.DEFINE_list("compare", [], "Workdirs (or eval JSON files) to draw in one plot.")
 flags.DEFINE_string("plot", "", "Output PNG of --compare.")
 flags.DEFINE_bool("overwrite", False, "Replace an existing DIR/eval/NAME.json and NAME.png.")
+flags.DEFINE_list(
+  "task_lengths",
+  [],
+  "Synthetic-task runs: task lengths to score (exact match, per token); "
+  "'default' = the training range to 8x.",
+)
+flags.DEFINE_integer("task_examples", 128, "Examples per task length (and per passkey depth).")
 
 # Flags that only evaluating one --workdir reads (an error with --compare).
 WORKDIR_FLAGS = (
   "workdir", "lengths", "protocol", "stride", "max_tokens", "split", "step", "batch_size",
-  "rope_scaling", "rope_factor", "window", "bca", "data_files", "overwrite",
+  "rope_scaling", "rope_factor", "window", "bca", "data_files", "overwrite", "task_lengths",
+  "task_examples",
 )  # fmt: skip
 
 
@@ -73,9 +83,14 @@ def main(argv):
 
       if not FLAGS.plot:
         raise ValueError("--compare needs --plot=FILE.png")
-      path = eval_plot.compare_runs(
-        FLAGS.compare, FLAGS.plot, name=FLAGS.out or eval_plot.DEFAULT_NAME
-      )
+      if FLAGS.out.startswith("task"):  # task_vs_length JSON: accuracy curves
+        from roformer import task_plot
+
+        path = task_plot.compare_runs(FLAGS.compare, FLAGS.plot, name=FLAGS.out)
+      else:
+        path = eval_plot.compare_runs(
+          FLAGS.compare, FLAGS.plot, name=FLAGS.out or eval_plot.DEFAULT_NAME
+        )
       print(f"wrote {path}")
       return
     if FLAGS.workdir is None:
@@ -85,6 +100,22 @@ def main(argv):
     from roformer import eval_run
 
     print(f"JAX devices: {jax.devices()}", flush=True)
+    if FLAGS.task_lengths:
+      from roformer import eval_tasks
+
+      lengths = [] if FLAGS.task_lengths == ["default"] else FLAGS.task_lengths
+      if not all(x.strip().isdigit() for x in lengths):
+        raise ValueError(f"--task_lengths must be positive integers or 'default', got {lengths}")
+      eval_tasks.evaluate_tasks(
+        FLAGS.workdir,
+        lengths=[int(x) for x in lengths],
+        num_examples=FLAGS.task_examples,
+        batch_size=FLAGS.batch_size,
+        step=FLAGS.step,
+        out=FLAGS.out,
+        log=lambda line: print(line, flush=True),
+      )
+      return
     if not all(x.strip().isdigit() for x in FLAGS.lengths):
       raise ValueError(f"--lengths must be positive integers, got {','.join(FLAGS.lengths)}")
     eval_run.evaluate_workdir(

@@ -77,7 +77,7 @@ def get_config() -> ml_collections.ConfigDict:
 
   # ---- posenc: the positional encoding (one field picks it; every kind's fields are here) ----
   config.posenc = posenc = ml_collections.ConfigDict()
-  # One of: sinusoidal, learned, t5, alibi, rope, xpos, nope.
+  # One of: sinusoidal, learned, t5, alibi, rope, xpos, nope, kerple, fire, sandwich, cope.
   posenc.kind = "rope"
   # learned: size of the position table (longest sequence the model can take).
   posenc.max_len = 512
@@ -95,6 +95,25 @@ def get_config() -> ml_collections.ConfigDict:
   posenc.xpos_gamma = 0.4
   # xpos: the scale base dividing positions in the decay exponent.
   posenc.xpos_scale_base = 512.0
+  # rope / xpos, p-RoPE (Barbero et al. 2024): fraction of the lowest frequencies set to zero
+  # (they do not rotate); p = 1 - rope_truncate. 0 = plain RoPE.
+  posenc.rope_truncate = 0.0
+  # Randomized positions (Ruoss et al. 2023), any kind, training only: each training sequence
+  # takes a sorted random subset of [0, randomize_max) as its positions (drawn from seed and
+  # step); evaluation uses consecutive positions. 0 = off; else >= data.seq_len (and
+  # <= posenc.max_len for learned).
+  posenc.randomize_max = 0
+  # fire: hidden width of the MLP f_theta (paper: 32).
+  posenc.fire_mlp_width = 32
+  # fire: initial c of psi(x) = log(c x + 1), learned (paper: 0.1).
+  posenc.fire_init_c = 0.1
+  # fire: initial threshold L of the normaliser psi(max(L, i)), learned (paper: 512).
+  posenc.fire_init_threshold = 512.0
+  # sandwich: dimension d' of the sinusoidal embeddings whose inner products form the bias
+  # (0 = model.emb_dim, as in the paper).
+  posenc.sandwich_dim = 0
+  # cope: number of learned position embeddings; contextual positions clamp to it - 1 (paper: 64).
+  posenc.cope_npos_max = 64
   # RoPE context-extension scaling (also overridable at evaluation time).
   posenc.scaling = scaling = ml_collections.ConfigDict()
   # One of: none, linear, ntk, dynamic, ntk_by_parts, yarn, llama3.
@@ -119,7 +138,8 @@ def get_config() -> ml_collections.ConfigDict:
 
   # ---- data: corpus, tokenizer and windows ----
   config.data = data = ml_collections.ConfigDict()
-  # "pystdlib" (this interpreter's standard library sources), "files" or "hub".
+  # "pystdlib" (this interpreter's standard library sources), "files", "hub" or "synthetic"
+  # (a generated task, data.task; decoders only).
   data.source = "pystdlib"
   # files: glob of .txt / .jsonl / .parquet training files.
   data.files = ""
@@ -162,6 +182,17 @@ def get_config() -> ml_collections.ConfigDict:
   data.mlm_probability = 0.15
   # Where tokenized corpora are cached: "" = $ROFORMER_CACHE or ~/.cache/roformer.
   data.cache_dir = ""
+  # synthetic: the task, one of copy, reverse, sort, addition, associative_recall, passkey
+  # (roformer/data/synthetic.py); the loss covers the answer tokens only.
+  data.task = "copy"
+  # synthetic: shortest training task length; training lengths are drawn uniformly from
+  # [task_min_len, task_max_len] (symbols to copy, digits per operand, key-value pairs, filler
+  # tokens).
+  data.task_min_len = 8
+  # synthetic: longest training task length (data.seq_len must hold an example of it).
+  data.task_max_len = 32
+  # synthetic addition: write every number least significant digit first.
+  data.task_lsb_first = False
 
   # ---- optim: AdamW with warmup then decay ----
   config.optim = optim = ml_collections.ConfigDict()

@@ -19,6 +19,8 @@ if TYPE_CHECKING:
 
 # (qpos_BL, kpos_BS) -> float32 [B, H, L, S] or None: the positional bias of one block of positions.
 BiasFn = Callable[[jax.Array, jax.Array], jax.Array | None]
+# (q_BLHK, k_BSGK, mask_BLS) -> float32 [B, H, L, S]: a content-dependent bias (CoPE).
+ContentBiasFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
 # Masked logits get a large finite value, not -inf, so that a block whose keys are all masked gives
 # exp(NEG - NEG) = 1 instead of NaN; masked probabilities are then zeroed explicitly.
@@ -118,6 +120,7 @@ def dense_attention(
   window: int = 0,
   window_kind: str = "sliding",
   bias_fn: BiasFn | None = None,
+  content_bias_fn: ContentBiasFn | None = None,
   dropout_rate: float = 0.0,
   dropout_key: jax.Array | None = None,
   block: int = 512,
@@ -131,6 +134,7 @@ def dense_attention(
     qseg_BL, kseg_BS: int segment ids, or None for a single segment.
     causal, window, window_kind: see `attention_mask`.
     bias_fn: positional bias of a block of positions, e.g. `posenc.bias`.
+    content_bias_fn: bias from queries, keys and the mask, e.g. `posenc.content_bias` (CoPE).
     dropout_rate, dropout_key: attention-probability dropout (no dropout when the key is None).
     block: unused (kept so every kernel has the same signature).
 
@@ -142,10 +146,13 @@ def dense_attention(
   B, L, H, K = q_BLHK.shape
   G = k_BSGK.shape[2]
   bias_BHLS = None if bias_fn is None else bias_fn(qpos_BL, kpos_BS)
-  s_BGRLS = _scores(_split_heads(q_BLHK, G), k_BSGK, bias_BHLS)
   mask_BLS = attention_mask(
     qpos_BL, kpos_BS, qseg_BL, kseg_BS, causal=causal, window=window, window_kind=window_kind
   )
+  if content_bias_fn is not None:
+    content_BHLS = content_bias_fn(q_BLHK, k_BSGK, mask_BLS)
+    bias_BHLS = content_BHLS if bias_BHLS is None else bias_BHLS + content_BHLS
+  s_BGRLS = _scores(_split_heads(q_BLHK, G), k_BSGK, bias_BHLS)
   mask_B11LS = mask_BLS[:, None, None]
   # fp32 softmax for stability, written out so that fully masked rows give 0 (as in `chunked`).
   s_BGRLS = jnp.where(mask_B11LS, s_BGRLS, _NEG)
@@ -186,6 +193,7 @@ def chunked_attention(
   window: int = 0,
   window_kind: str = "sliding",
   bias_fn: BiasFn | None = None,
+  content_bias_fn: ContentBiasFn | None = None,
   dropout_rate: float = 0.0,
   dropout_key: jax.Array | None = None,
   block: int = 512,
@@ -204,8 +212,14 @@ def chunked_attention(
   from (query block, key block); the denominator is not dropped, which equals dropping the
   normalised probabilities.
 
-  Args and returns: as `dense_attention`; `block` is the query and key block size.
+  Args and returns: as `dense_attention`; `block` is the query and key block size. A
+  `content_bias_fn` is refused: its cumulative sums run across key blocks.
   """
+  if content_bias_fn is not None:
+    raise ValueError(
+      "the chunked attention kernel cannot add a content-dependent positional bias (posenc.kind="
+      "'cope'); set model.attention_impl to 'dense' or 'auto'"
+    )
   _check_ranks(q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS)
   B, L, H, K = q_BLHK.shape
   S, G = k_BSGK.shape[1:3]
@@ -279,8 +293,10 @@ def chunked_attention(
 
 
 def auto_attention(q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS, *, block: int = 512, **kwargs):
-  """`dense` when L * S <= block**2 (small enough to materialise), else `chunked`."""
-  if q_BLHK.shape[1] * k_BSGK.shape[1] <= block * block:
+  """`dense` when L * S <= block**2 (small enough to materialise) or with a content bias (which
+  only `dense` computes), else `chunked`."""
+  small = q_BLHK.shape[1] * k_BSGK.shape[1] <= block * block
+  if small or kwargs.get("content_bias_fn") is not None:
     return dense_attention(q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS, block=block, **kwargs)
   return chunked_attention(q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS, block=block, **kwargs)
 
@@ -400,6 +416,7 @@ class Attention(nnx.Module):
       window=self.window,
       window_kind=self.window_kind,
       bias_fn=posenc.bias,
+      content_bias_fn=posenc.content_bias,
       dropout_rate=self.dropout_rate,
       dropout_key=dropout_key,
       block=self.block,

@@ -14,6 +14,7 @@ from typing import Any
 from etils import epath
 
 from roformer import model as model_lib
+from roformer.data import synthetic
 from roformer.data.config import SOURCE_FIELDS, SOURCES, TOKENIZERS, DataConfig
 from roformer.model import ModelConfig
 from roformer.posenc_config import PosEncConfig, RopeScaling
@@ -218,6 +219,11 @@ def _validate_data(data: DataConfig) -> None:
     0.0 < data.mlm_probability < 1.0,
     f"data.mlm_probability must be in (0, 1), got {data.mlm_probability}",
   )
+  if data.source == "synthetic":
+    try:
+      synthetic.check_config(data)
+    except ValueError as e:
+      raise ConfigError(str(e)) from e
 
 
 def _validate_optim(optim: OptimConfig) -> None:
@@ -336,6 +342,11 @@ def run_config_from_dict(config: Any, *, vocab_size: int | None = None) -> RunCo
   mesh = _build(MeshConfig, mesh_values, "mesh", rules=rules)
   _validate_mesh(mesh)
   _validate_model(model, data.seq_len)
+  _check(
+    posenc.randomize_max == 0 or posenc.randomize_max >= data.seq_len,
+    f"posenc.randomize_max={posenc.randomize_max} must be 0 (consecutive positions) or >= "
+    f"data.seq_len={data.seq_len}: training positions are a sorted subset of [0, randomize_max)",
+  )
   return RunConfig(model=model, data=data, optim=optim, train=train, mesh=mesh)
 
 

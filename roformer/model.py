@@ -134,7 +134,11 @@ def validate_model(cfg: ModelConfig, *, seq_len: int = 0) -> None:
       "use 0 for decoders"
     )
   validate_posenc(
-    cfg.posenc, causal=cfg.kind == "decoder", head_dim=resolve_head_dim(cfg), seq_len=seq_len
+    cfg.posenc,
+    causal=cfg.kind == "decoder",
+    head_dim=resolve_head_dim(cfg),
+    seq_len=seq_len,
+    attention_impl=cfg.attention_impl,
   )
 
 

@@ -2,7 +2,10 @@
 
 import dataclasses
 
-POSENC_KINDS = ("sinusoidal", "learned", "t5", "alibi", "rope", "xpos", "nope")
+POSENC_KINDS = (
+  "sinusoidal", "learned", "t5", "alibi", "rope", "xpos", "nope",
+  "kerple", "fire", "sandwich", "cope",
+)  # fmt: skip
 ROPE_LAYOUTS = ("interleaved", "half")
 SCALING_KINDS = ("none", "linear", "ntk", "dynamic", "ntk_by_parts", "yarn", "llama3")
 
@@ -42,3 +45,10 @@ class PosEncConfig:
   xpos_gamma: float = 0.4
   xpos_scale_base: float = 512.0
   scaling: RopeScaling = RopeScaling()
+  rope_truncate: float = 0.0  # p-RoPE: fraction of the lowest frequencies that do not rotate
+  randomize_max: int = 0  # training positions: a sorted random subset of [0, N); 0 = consecutive
+  fire_mlp_width: int = 32  # fire: hidden width of the MLP
+  fire_init_c: float = 0.1  # fire: initial c of psi(x) = log(c x + 1)
+  fire_init_threshold: float = 512.0  # fire: initial threshold L of the normaliser max(L, i)
+  sandwich_dim: int = 0  # sandwich: dimension d' of the sinusoids; 0 = model.emb_dim
+  cope_npos_max: int = 64  # cope: number of position embeddings (positions clamp below it)

@@ -24,6 +24,7 @@ from roformer import model as model_lib
 from roformer import workdir as workdir_lib
 from roformer.config_lib import ConfigError, OptimConfig, RunConfig
 from roformer.posenc import POSENCS
+from roformer.randomized_positions import randomize_positions
 from roformer.train_loop import (
   NonFiniteLossError,  # noqa: F401  (raised by train_and_evaluate)
   Setup,
@@ -129,13 +130,21 @@ def train_step(
   schedule: optax.Schedule,
   seed: int,
   grad_accum_steps: int,
+  randomize_max: int = 0,
 ):
   """One optimizer step on a global batch; returns (model_state, opt_state, metrics).
 
   The loss is the sum of weighted token losses divided by the batch's total weight, so gradient
   accumulation over microbatches gives the same update as one big batch. Dropout keys are
   fold_in(key(seed), step) (then the microbatch index): a resumed run draws the same masks.
+  With `randomize_max` (posenc.randomize_max), the batch's positions are replaced by sorted
+  random subsets of [0, randomize_max) drawn from (seed, step) (`randomize_positions`).
   """
+  if randomize_max:
+    positions_BL = randomize_positions(
+      batch["positions"], max_position=randomize_max, seed=seed, step=step
+    )
+    batch = dict(batch, positions=positions_BL)
   model = nnx.merge(model_def, model_state)
   optimizer = nnx.merge(opt_def, opt_state)
   step_key = jax.random.fold_in(jax.random.key(seed), step)
@@ -246,8 +255,7 @@ def _setup(run_config: RunConfig, workdir: epath.Path) -> Setup:
       f"{ways} ways the batch is split over the mesh ({dict(mesh.shape)})"
     )
   batch_index, batch_count = sharding.process_batch_slice(mesh, rules, train.global_batch_size)
-  batches = data_lib.TrainBatches(
-    corpus,
+  batches = corpus.train_batches(
     run_config.data,
     model_kind=run_config.model.kind,
     global_batch_size=train.global_batch_size,
@@ -417,6 +425,7 @@ def _jit_train_step(loop: train_loop.Loop) -> Any:
       schedule=make_schedule(rc.optim, rc.train.num_train_steps),
       seed=rc.train.seed,
       grad_accum_steps=rc.optim.grad_accum_steps,
+      randomize_max=rc.model.posenc.randomize_max,
     ),
     in_shardings=(model_sh, opt_sh, sharding.batch_sharding(mesh, rules), repl),
     out_shardings=(model_sh, opt_sh, repl),

@@ -90,7 +90,7 @@ def test_chunked_matches_dense_for_every_mask_combination():
 @pytest.mark.slow
 @pytest.mark.parametrize(("kind", "scaling"), POSENC_CASES)
 def test_chunked_matches_dense_for_every_posenc_and_mask_combination(kind, scaling):
-  causals = (True,) if kind == "xpos" else (True, False)  # xpos is causal only
+  causals = (True,) if kind in ("xpos", "cope") else (True, False)  # causal only
   variants = [(c, s, w) for c in causals for s in (False, True) for w in (0, 6)]
   for variant, diff in _max_kernel_diffs(kind, scaling, variants).items():
     assert diff < 1e-5, variant

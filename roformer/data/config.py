@@ -2,7 +2,7 @@
 
 import dataclasses
 
-SOURCES = ("pystdlib", "files", "hub")
+SOURCES = ("pystdlib", "files", "hub", "synthetic")
 # Fields only one source reads, unset when "" or False: setting one for another source is an error.
 SOURCE_FIELDS = {
   "files": ("files", "validation_files", "test_files"),
@@ -13,7 +13,7 @@ TOKENIZERS = ("bytes", "bpe", "wordpiece")
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-  source: str = "pystdlib"  # pystdlib | files | hub
+  source: str = "pystdlib"  # pystdlib | files | hub | synthetic
   files: str = ""  # files: glob of .txt / .jsonl / .parquet (comma-separated globs allowed)
   validation_files: str = ""  # files: optional glob; else the last validation_fraction is held out
   test_files: str = ""  # files: optional glob of a test split ("" = the source has no test split)
@@ -34,3 +34,7 @@ class DataConfig:
   pack: bool = False  # decoder: pack documents with segment ids instead of joining with EOS
   mlm_probability: float = 0.15
   cache_dir: str = ""  # "" = $ROFORMER_CACHE or ~/.cache/roformer
+  task: str = "copy"  # synthetic: copy | reverse | sort | addition | associative_recall | passkey
+  task_min_len: int = 8  # synthetic: shortest training task length
+  task_max_len: int = 32  # synthetic: longest training task length
+  task_lsb_first: bool = False  # synthetic addition: numbers least significant digit first

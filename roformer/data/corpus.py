@@ -38,6 +38,12 @@ class Corpus:
     self._cache = cache
     self._tokens: dict[str, np.ndarray] = {}
 
+  def train_batches(self, cfg: DataConfig, **kwargs):
+    """The training batches of this corpus: `TrainBatches(self, cfg, **kwargs)`."""
+    from roformer.data.batches import TrainBatches  # local: batches imports this module
+
+    return TrainBatches(self, cfg, **kwargs)
+
   def tokens(self, split: str) -> np.ndarray:
     """int32 [N]: the documents of `split` ("train", "validation", "test") each followed by EOS.
 
@@ -122,6 +128,10 @@ def load_corpus(
   Raises:
     DataError: a bad source, field, path or tokenizer; the message names it.
   """
+  if cfg.source == "synthetic":  # generated on the fly: no documents, tokenizer or cache
+    from roformer.data.synthetic import SyntheticCorpus
+
+    return SyntheticCorpus(cfg)
   source = make_source(cfg)
   tokenizer = build_tokenizer(cfg, workdir=workdir, source=source)
   corpus = Corpus(source=source, tokenizer=tokenizer, cache=TokenCache(cache_root(cfg)))

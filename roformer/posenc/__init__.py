@@ -9,6 +9,9 @@ from flax import nnx
 
 from roformer.posenc.absolute import Learned, Sinusoidal, sinusoidal_embedding
 from roformer.posenc.base import NoPE, PosEnc
+from roformer.posenc.cope import Cope
+from roformer.posenc.fire import Fire
+from roformer.posenc.kerple import Kerple
 from roformer.posenc.relative import Alibi, T5Bias, alibi_slopes, t5_relative_bucket
 from roformer.posenc.rope import (
   Rope,
@@ -19,6 +22,7 @@ from roformer.posenc.rope import (
   rotary_dims,
 )
 from roformer.posenc.rope_scaling import check_scaling, rope_frequencies
+from roformer.posenc.sandwich import Sandwich
 from roformer.posenc_config import ROPE_LAYOUTS, SCALING_KINDS, PosEncConfig
 
 POSENCS: dict[str, type[PosEnc]] = {
@@ -29,10 +33,21 @@ POSENCS: dict[str, type[PosEnc]] = {
   "t5": T5Bias,
   "xpos": XPos,
   "nope": NoPE,
+  "kerple": Kerple,
+  "fire": Fire,
+  "sandwich": Sandwich,
+  "cope": Cope,
 }
 
 
-def validate_posenc(cfg: PosEncConfig, *, causal: bool, head_dim: int, seq_len: int = 0) -> None:
+def validate_posenc(
+  cfg: PosEncConfig,
+  *,
+  causal: bool,
+  head_dim: int,
+  seq_len: int = 0,
+  attention_impl: str = "auto",
+) -> None:
   """Raises ValueError, naming the config field and its allowed values, for a bad posenc config.
 
   Args:
@@ -40,6 +55,7 @@ def validate_posenc(cfg: PosEncConfig, *, causal: bool, head_dim: int, seq_len: 
     causal: True for a decoder, False for an encoder.
     head_dim: the model's per-head dim (model.head_dim after its default is resolved).
     seq_len: the training or evaluation length, 0 if unknown (checked against posenc.max_len).
+    attention_impl: the model's kernel (an encoding with a content bias needs dense or auto).
   """
   if cfg.kind not in POSENCS:
     raise ValueError(f"posenc.kind={cfg.kind!r} is not one of {tuple(POSENCS)}")
@@ -50,7 +66,23 @@ def validate_posenc(cfg: PosEncConfig, *, causal: bool, head_dim: int, seq_len: 
   if not 0 < cfg.rope_fraction <= 1:
     raise ValueError(f"posenc.rope_fraction={cfg.rope_fraction} must be in (0, 1]")
   check_scaling(cfg.scaling, need_original_len=False)
-  POSENCS[cfg.kind].check_config(cfg, causal=causal, head_dim=head_dim, seq_len=seq_len)
+  cls = POSENCS[cfg.kind]
+  if not 0.0 <= cfg.rope_truncate < 1.0:
+    raise ValueError(f"posenc.rope_truncate={cfg.rope_truncate} must be in [0, 1)")
+  if cfg.rope_truncate and not issubclass(cls, Rope):
+    raise ValueError(
+      f"posenc.rope_truncate={cfg.rope_truncate} applies only to the rotary encodings "
+      f"(posenc.kind in ('rope', 'xpos')), not posenc.kind={cfg.kind!r}; set it to 0"
+    )
+  if cfg.randomize_max < 0:
+    raise ValueError(f"posenc.randomize_max={cfg.randomize_max} must be >= 0 (0 = off)")
+  if cls.content_bias is not None and attention_impl == "chunked":
+    raise ValueError(
+      f"posenc.kind={cfg.kind!r} adds a content-dependent bias that only the dense kernel "
+      "computes; set model.attention_impl to 'dense' or 'auto' (auto uses dense for it)"
+    )
+  # Randomized training positions reach randomize_max - 1: a learned table must cover them.
+  cls.check_config(cfg, causal=causal, head_dim=head_dim, seq_len=max(seq_len, cfg.randomize_max))
 
 
 def make_posenc(
@@ -81,10 +113,14 @@ def make_posenc(
 __all__ = [
   "POSENCS",
   "Alibi",
+  "Cope",
+  "Fire",
+  "Kerple",
   "Learned",
   "NoPE",
   "PosEnc",
   "Rope",
+  "Sandwich",
   "Sinusoidal",
   "T5Bias",
   "XPos",

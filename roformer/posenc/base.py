@@ -83,6 +83,11 @@ class PosEnc(nnx.Module):
     del qpos_BL, kpos_BS
     return None
 
+  # Fourth hook, for content-dependent encodings (CoPE): a method
+  # `content_bias(q_BLHK, k_BSGK, mask_BLS) -> float32 [B, H, L, S]` added to the scaled logits.
+  # None (the default) means the encoding has none; only the dense kernel can call it.
+  content_bias = None
+
 
 class NoPE(PosEnc):
   """No positional encoding (Kazemnejad et al. 2023): a causal decoder infers order by its mask.

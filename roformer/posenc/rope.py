@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from roformer.posenc.base import PosEnc, check_positions
+from roformer.posenc.prope import truncate_frequencies
 from roformer.posenc.rope_scaling import check_scaling, rope_frequencies
 from roformer.posenc_config import PosEncConfig
 
@@ -157,9 +158,10 @@ class Rope(PosEnc):
     """(inv_freq float32 [d/2], attention factor) for keys at `kpos_BS`."""
     # Only "dynamic" reads seq_len; elsewhere the max is dead code that jit removes.
     seq_len = jnp.max(kpos_BS) + 1
-    return rope_frequencies(
+    inv_freq, attention_factor = rope_frequencies(
       self.rotary_dims, self.cfg.max_wavelength, self.cfg.scaling, seq_len=seq_len
     )
+    return truncate_frequencies(inv_freq, self.cfg.rope_truncate), attention_factor
 
   def scales(
     self, qpos_BL: jax.Array, kpos_BS: jax.Array, attention_factor: float

@@ -1,0 +1,294 @@
+"""Synthetic length-generalisation tasks as a data source (`data.source=synthetic`).
+
+Every example is a token sequence with some tokens marked as the answer; a decoder is trained on
+next-token prediction with weight 1 on answer targets only, and scored by whether it predicts the
+answer (roformer/eval_tasks.py). Tokens are bytes of the `bytes` tokenizer, so examples read as
+text. The task length n (`data.task_min_len`..`data.task_max_len` in training, any n at
+evaluation) counts:
+
+  copy, reverse, sort    n symbols of a-z, A-Z, 0-9, then '>', then the symbols copied /
+                         reversed / sorted (byte order)
+  addition               two n-digit numbers 'a+b=' then the n + 1 digits of the sum
+                         (most significant first, or least significant first everywhere with
+                         data.task_lsb_first)
+  associative_recall     n key-value pairs, then ':' and min(n, 4) queried keys each followed by
+                         its value (multi-query associative recall, Zoology / MQAR); keys are
+                         n distinct tokens of 128 (so n <= 128), values are digits
+  passkey                n tokens of repeated filler text with 'key=DDDDD.' hidden at a depth in
+                         [0, 1] (random in training), then '?key=' and the 5 digits
+                         (Mohtashami & Jaggi 2023)
+
+A training batch is a pure function of (seed, step, global row): row g of step s draws its length
+and content from `np.random.default_rng((seed, 2, s, g))`, so a resumed run and any process layout
+see the same rows. Rows are padded to data.seq_len with pad tokens of weight 0 and segment id 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import numpy as np
+
+from roformer.data.config import DataConfig
+from roformer.data.errors import DataError
+from roformer.data.tokenizer import ByteTokenizer
+
+TASKS = ("copy", "reverse", "sort", "addition", "associative_recall", "passkey")
+# Seed-sequence streams: training rows, and the fixed validation / test streams.
+_TRAIN_STREAM, _SPLIT_STREAMS = 2, {"train": 3, "validation": 4, "test": 5}
+# 62 symbols: with 26, strings of 32 repeat most letters and many bigrams, so copying needs far
+# longer matches; with 62, a repeated trigram is rare (~0.3% of 32-symbol strings).
+_LETTERS = np.frombuffer(
+  b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789", np.uint8
+).astype(np.int32)
+_DIGITS = np.frombuffer(b"0123456789", np.uint8).astype(np.int32)
+_KEYS = np.arange(128, 256, dtype=np.int32)  # byte ids no text above uses
+MAX_RECALL_PAIRS = len(_KEYS)
+NUM_QUERIES = 4
+PASSKEY_DIGITS = 5
+# The filler sentences of the passkey paper.
+_FILLER = (
+  b"The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+)
+_VALIDATION_TOKENS = 1 << 17  # tokens of the fixed validation / test streams
+
+
+def _ids(text: bytes) -> np.ndarray:
+  return np.frombuffer(text, np.uint8).astype(np.int32)
+
+
+def _example(prompt: list[np.ndarray], answer: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  tokens = np.concatenate([*prompt, answer]).astype(np.int32)
+  is_answer = np.zeros(len(tokens), bool)
+  is_answer[len(tokens) - len(answer) :] = True
+  return tokens, is_answer
+
+
+def _letters_task(order: Callable[[np.ndarray], np.ndarray]):
+  def generate(rng, n, **_):
+    s = rng.choice(_LETTERS, n)
+    return _example([s, _ids(b">")], order(s))
+
+  return generate
+
+
+def _addition(rng, n, *, lsb_first=False, **_):
+  a_digits, b_digits = rng.integers(0, 10, n), rng.integers(0, 10, n)
+  a = int("".join(map(str, a_digits)))
+  b = int("".join(map(str, b_digits)))
+  c_digits = np.asarray([int(ch) for ch in str(a + b).zfill(n + 1)])
+  if lsb_first:
+    a_digits, b_digits, c_digits = a_digits[::-1], b_digits[::-1], c_digits[::-1]
+  return _example([_DIGITS[a_digits], _ids(b"+"), _DIGITS[b_digits], _ids(b"=")], _DIGITS[c_digits])
+
+
+def _associative_recall(rng, n, **_):
+  keys = rng.choice(_KEYS, n, replace=False)
+  values = rng.choice(_DIGITS, n)
+  pairs = np.stack([keys, values], axis=1).reshape(-1)
+  queried = rng.choice(n, min(n, NUM_QUERIES), replace=False)
+  queries = np.stack([keys[queried], values[queried]], axis=1).reshape(-1)
+  tokens = np.concatenate([pairs, _ids(b":"), queries]).astype(np.int32)
+  is_answer = np.zeros(len(tokens), bool)
+  is_answer[2 * n + 2 :: 2] = True  # the value after each queried key
+  return tokens, is_answer
+
+
+def _passkey(rng, n, *, depth=None, **_):
+  filler = _ids(_FILLER * (n // len(_FILLER) + 1))[:n]
+  depth = rng.uniform() if depth is None else depth
+  at = int(round(depth * n))
+  key = rng.choice(_DIGITS, PASSKEY_DIGITS)
+  hidden = np.concatenate([_ids(b"key="), key, _ids(b".")])
+  return _example([filler[:at], hidden, filler[at:], _ids(b"?key=")], key)
+
+
+GENERATORS = {
+  "copy": _letters_task(lambda s: s),
+  "reverse": _letters_task(lambda s: s[::-1]),
+  "sort": _letters_task(np.sort),
+  "addition": _addition,
+  "associative_recall": _associative_recall,
+  "passkey": _passkey,
+}
+
+
+def example_length(task: str, n: int) -> int:
+  """Tokens in an example of task length n (its model input is one token shorter)."""
+  if task in ("copy", "reverse", "sort"):
+    return 2 * n + 1
+  if task == "addition":
+    return 3 * n + 3
+  if task == "associative_recall":
+    return 2 * n + 1 + 2 * min(n, NUM_QUERIES)
+  return n + len("key=.?key=") + 2 * PASSKEY_DIGITS  # passkey
+
+
+def generate(
+  task: str, rng: np.random.Generator, n: int, *, lsb_first: bool = False, depth=None
+) -> tuple[np.ndarray, np.ndarray]:
+  """One example of task length n.
+
+  Args:
+    task: one of TASKS.
+    rng: the generator every random choice is drawn from.
+    n: the task length (see the module docstring).
+    lsb_first: addition writes numbers least significant digit first.
+    depth: passkey only, where the key sits in the filler (0 = start, 1 = end); None = random.
+
+  Returns:
+    (tokens int32 [T], is_answer bool [T]) with T = example_length(task, n).
+  """
+  check_length(task, n)
+  return GENERATORS[task](rng, n, lsb_first=lsb_first, depth=depth)
+
+
+def check_length(task: str, n: int) -> None:
+  if task not in GENERATORS:
+    raise DataError(f"data.task={task!r} is not one of {', '.join(TASKS)}")
+  if n < 1:
+    raise DataError(f"task length {n} must be >= 1")
+  if task == "associative_recall" and n > MAX_RECALL_PAIRS:
+    raise DataError(
+      f"associative_recall has {MAX_RECALL_PAIRS} distinct keys: task length {n} is too long"
+    )
+
+
+def check_config(cfg: DataConfig) -> None:
+  """Raises DataError naming the field for a synthetic config that cannot work."""
+  if cfg.task not in TASKS:
+    raise DataError(f"data.task must be one of {', '.join(TASKS)}, got {cfg.task!r}")
+  if not 1 <= cfg.task_min_len <= cfg.task_max_len:
+    raise DataError(
+      f"data.task_min_len={cfg.task_min_len} and data.task_max_len={cfg.task_max_len} must "
+      "satisfy 1 <= task_min_len <= task_max_len"
+    )
+  check_length(cfg.task, cfg.task_max_len)
+  need = example_length(cfg.task, cfg.task_max_len) - 1
+  if cfg.seq_len < need:
+    raise DataError(
+      f"data.seq_len={cfg.seq_len} is too short for data.task={cfg.task!r} at "
+      f"data.task_max_len={cfg.task_max_len}: an example needs {need} input tokens"
+    )
+
+
+class SyntheticBatches:
+  """Training batches of a synthetic task; `batch(step)` depends only on (seed, step, row).
+
+  Same interface as TrainBatches: `batch(step)`, `iterate(start_step)`, `local_batch_size`.
+  """
+
+  def __init__(
+    self,
+    cfg: DataConfig,
+    *,
+    global_batch_size: int,
+    seed: int,
+    process_index: int = 0,
+    process_count: int = 1,
+  ):
+    if global_batch_size < 1 or global_batch_size % process_count:
+      raise DataError(
+        f"train.global_batch_size={global_batch_size} must be a positive multiple of the "
+        f"process count {process_count}"
+      )
+    check_config(cfg)
+    self.cfg = cfg
+    self.tokenizer = ByteTokenizer()
+    self.seq_len = cfg.seq_len
+    self.global_batch_size = global_batch_size
+    self.local_batch_size = global_batch_size // process_count
+    self.seed = seed
+    self._rows = process_index * self.local_batch_size + np.arange(self.local_batch_size)
+
+  def batch(self, step: int) -> dict[str, np.ndarray]:
+    """This process's rows of step `step`: inputs, targets, positions, segment_ids int32 [B, L]
+    and weights float32 [B, L] (1 on answer targets only)."""
+    if step < 0:
+      raise ValueError(f"step={step} must be >= 0")
+    examples = []
+    for row in self._rows.tolist():
+      rng = np.random.default_rng((self.seed, _TRAIN_STREAM, step, row))
+      n = int(rng.integers(self.cfg.task_min_len, self.cfg.task_max_len + 1))
+      examples.append(generate(self.cfg.task, rng, n, lsb_first=self.cfg.task_lsb_first))
+    return pad_examples(examples, self.seq_len, pad_id=self.tokenizer.pad_id)
+
+  def iterate(self, start_step: int = 0) -> Iterator[dict[str, np.ndarray]]:
+    step = start_step
+    while True:
+      yield self.batch(step)
+      step += 1
+
+
+def pad_examples(examples, seq_len: int, *, pad_id: int) -> dict[str, np.ndarray]:
+  """Model rows of `seq_len` from (tokens, is_answer) examples: inputs are tokens[:-1], targets
+  tokens[1:], weight 1 where the target is an answer token; the tail is padding (segment 0)."""
+  B = len(examples)
+  inputs = np.full((B, seq_len), pad_id, np.int32)
+  targets = np.full((B, seq_len), pad_id, np.int32)
+  weights = np.zeros((B, seq_len), np.float32)
+  segment_ids = np.zeros((B, seq_len), np.int32)
+  for i, (tokens, is_answer) in enumerate(examples):
+    t = len(tokens) - 1
+    if t > seq_len:
+      raise DataError(f"an example of {t} input tokens does not fit data.seq_len={seq_len}")
+    inputs[i, :t], targets[i, :t] = tokens[:-1], tokens[1:]
+    weights[i, :t] = is_answer[1:]
+    segment_ids[i, :t] = 1
+  positions = np.broadcast_to(np.arange(seq_len, dtype=np.int32), (B, seq_len)).copy()
+  return {
+    "inputs": inputs,
+    "targets": targets,
+    "positions": positions,
+    "segment_ids": segment_ids,
+    "weights": weights,
+  }
+
+
+class _SyntheticSource:
+  def __init__(self, cfg: DataConfig):
+    self.cfg = cfg
+
+  def describe(self) -> str:
+    return f"data.source='synthetic' (data.task={self.cfg.task!r})"
+
+
+class SyntheticCorpus:
+  """The Corpus interface over a synthetic task (what train_lib and eval.py use of a corpus).
+
+  `tokens(split)` is a fixed stream of examples at training lengths, each followed by EOS, for
+  the perplexity evaluation (its loss covers every token, not just the answers);
+  `train_batches` gives the answer-weighted training rows.
+  """
+
+  def __init__(self, cfg: DataConfig):
+    check_config(cfg)
+    self.cfg = cfg
+    self.tokenizer = ByteTokenizer()
+    self.source = _SyntheticSource(cfg)
+    self._tokens: dict[str, np.ndarray] = {}
+
+  def tokens(self, split: str) -> np.ndarray:
+    if split not in _SPLIT_STREAMS:
+      raise DataError(f"split={split!r} is not one of {', '.join(_SPLIT_STREAMS)}")
+    if split not in self._tokens:
+      rng = np.random.default_rng((_SPLIT_STREAMS[split],))
+      eos = np.asarray([self.tokenizer.eos_id], np.int32)
+      pieces, total = [], 0
+      while total < _VALIDATION_TOKENS:
+        n = int(rng.integers(self.cfg.task_min_len, self.cfg.task_max_len + 1))
+        tokens, _ = generate(self.cfg.task, rng, n, lsb_first=self.cfg.task_lsb_first)
+        pieces += [tokens, eos]
+        total += len(tokens) + 1
+      self._tokens[split] = np.concatenate(pieces)
+    return self._tokens[split]
+
+  def train_batches(
+    self, cfg: DataConfig, *, model_kind: str, global_batch_size: int, seed: int, **kwargs
+  ) -> SyntheticBatches:
+    if model_kind != "decoder":
+      raise DataError(
+        "data.source='synthetic' trains decoders (next-token answers); "
+        f"got model.kind={model_kind!r}"
+      )
+    return SyntheticBatches(cfg, global_batch_size=global_batch_size, seed=seed, **kwargs)

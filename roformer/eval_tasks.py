@@ -1,0 +1,200 @@
+"""Task accuracy against length for runs trained on a synthetic task (`eval.py --task_lengths`).
+
+For each task length n, a fixed set of examples (drawn from the run's seed and n) is scored by
+exact match (every answer token right) and per-token accuracy, greedy. Decoding is teacher-forced:
+one forward pass over the whole example, answer token i predicted by the argmax after the gold
+prefix. For exact match this equals free-running greedy decoding: if every answer token is right,
+greedy decoding would have produced exactly the gold prefix at every step, and if one is wrong,
+greedy decoding is wrong at the first such token too (everything before it was right). Per-token
+accuracy is the teacher-forced one (it does not propagate earlier mistakes). Positions are
+consecutive from 0 (randomized training positions are training-only).
+
+Writes DIR/eval/task_vs_length.json and .png, and for passkey DIR/eval/passkey_heatmap.png
+(exact match by depth of the key x length).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from etils import epath
+from flax import nnx
+
+from roformer import config_lib, eval_run, task_plot
+from roformer.data import synthetic
+from roformer.data.tokenizer import ByteTokenizer
+
+DEFAULT_NAME = task_plot.DEFAULT_NAME
+PASSKEY_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
+_EVAL_STREAM = 6  # seed-sequence stream of evaluation examples (training uses 2)
+AUTO_BATCH_TOKENS = 16384
+
+
+def default_lengths(min_len: int, max_len: int) -> list[int]:
+  """The training range's ends, then 2x, 4x and 8x the longest training length."""
+  return sorted({min_len, max_len, 2 * max_len, 4 * max_len, 8 * max_len})
+
+
+def eval_examples(task: str, n: int, num: int, *, seed: int, lsb_first=False, depth=None):
+  """`num` examples of task length n, a pure function of (seed, n, depth)."""
+  key = (seed, _EVAL_STREAM, n) if depth is None else (seed, _EVAL_STREAM, n, int(depth * 1000))
+  rng = np.random.default_rng(key)
+  return [synthetic.generate(task, rng, n, lsb_first=lsb_first, depth=depth) for _ in range(num)]
+
+
+def make_predict(model) -> Callable:
+  """A jitted (inputs [B, T], positions [B, T]) -> greedy next tokens [B, T] for `model`."""
+  graphdef, state = nnx.split(model)
+
+  @jax.jit
+  def predict(state, inputs_BT, positions_BT):
+    logits_BTV = nnx.merge(graphdef, state)(inputs_BT, positions_BT)
+    return jnp.argmax(logits_BTV, axis=-1).astype(jnp.int32)
+
+  return lambda inputs_BT, positions_BT: predict(state, inputs_BT, positions_BT)
+
+
+def score_examples(predict, examples, *, batch_size: int) -> dict:
+  """Exact match and per-token accuracy of teacher-forced greedy predictions.
+
+  Args:
+    predict: from `make_predict`.
+    examples: (tokens, is_answer) pairs, all of one length.
+    batch_size: examples per forward pass (the last batch is filled with repeats, then dropped).
+
+  Returns:
+    {"exact_match", "token_accuracy", "examples"}.
+  """
+  rows = synthetic.pad_examples(examples, len(examples[0][0]) - 1, pad_id=ByteTokenizer.pad_id)
+  exact, correct_tokens, answer_tokens = 0, 0, 0
+  for start in range(0, len(examples), batch_size):
+    idx = np.arange(start, start + batch_size) % len(examples)
+    pred = np.asarray(predict(rows["inputs"][idx], rows["positions"][idx]))
+    keep = start + np.arange(batch_size) < len(examples)
+    answer = rows["weights"][idx] > 0
+    right = (pred == rows["targets"][idx]) | ~answer
+    exact += int(np.sum(right.all(axis=1) & keep))
+    correct_tokens += int(np.sum((pred == rows["targets"][idx]) & answer & keep[:, None]))
+    answer_tokens += int(np.sum(answer & keep[:, None]))
+  return {
+    "exact_match": exact / len(examples),
+    "token_accuracy": correct_tokens / max(answer_tokens, 1),
+    "examples": len(examples),
+  }
+
+
+def unsupported(model_cfg, task: str, n: int) -> str | None:
+  """Why examples of task length n cannot be scored (task limit, learned table), or None."""
+  try:
+    synthetic.check_length(task, n)
+  except ValueError as e:
+    return str(e)
+  return eval_run.unsupported_length(model_cfg, synthetic.example_length(task, n) - 1)
+
+
+def evaluate_tasks(
+  workdir,
+  *,
+  lengths: Sequence[int] = (),
+  num_examples: int = 128,
+  batch_size: int = 0,
+  step: int | None = None,
+  out: str = "",
+  log: Callable[[str], None] = print,
+) -> tuple[dict, epath.Path]:
+  """Scores a synthetic-task run at several task lengths; writes DIR/eval/NAME.json and .png.
+
+  Args:
+    workdir: a run trained with data.source='synthetic'.
+    lengths: task lengths; default the training range's ends and 2x, 4x, 8x its longest.
+    num_examples: examples per length (and per depth for passkey's heatmap).
+    batch_size: examples per forward pass; 0 = about 16k tokens per pass.
+    step: checkpoint step; None = latest.
+    out: NAME (default task_vs_length).
+    log: where progress lines go.
+
+  Returns:
+    (the JSON dict written, its path).
+  """
+  workdir = epath.Path(workdir)
+  run_config = config_lib.load_run_config(workdir)
+  data = run_config.data
+  if data.source != "synthetic":
+    raise ValueError(
+      f"--task_lengths scores synthetic tasks, but {workdir} was trained with "
+      f"data.source={data.source!r} (use --lengths for perplexity)"
+    )
+  if num_examples < 1:
+    raise ValueError(f"--task_examples must be >= 1, got {num_examples}")
+  lengths = sorted(set(int(n) for n in lengths)) or default_lengths(
+    data.task_min_len, data.task_max_len
+  )
+  if lengths[0] < 1:
+    raise ValueError(f"--task_lengths must be positive, got {lengths}")
+  model_cfg = eval_run.eval_model_config(run_config.model, seq_len=data.seq_len)
+  model, step = eval_run.restore_for_eval(workdir, run_config, model_cfg, step=step)
+  predict = make_predict(model)
+  seed = run_config.train.seed
+  log(
+    f"evaluating {workdir} step {step} (posenc {model_cfg.posenc.kind}) on task {data.task!r}: "
+    f"lengths {lengths}, {num_examples} examples each"
+  )
+
+  def score(n, depth=None):
+    examples = eval_examples(
+      data.task, n, num_examples, seed=seed, lsb_first=data.task_lsb_first, depth=depth
+    )
+    tokens = len(examples[0][0]) - 1
+    return score_examples(
+      predict, examples, batch_size=batch_size or max(1, AUTO_BATCH_TOKENS // tokens)
+    )
+
+  records = []
+  for i, n in enumerate(lengths, start=1):
+    prefix = f"length {i}/{len(lengths)} n={n}"
+    reason = unsupported(model_cfg, data.task, n)
+    if reason:
+      records.append({"length": n, "skipped": reason})
+      log(f"{prefix}: skipped ({reason})")
+      continue
+    start = time.perf_counter()
+    record = {"length": n, "tokens": synthetic.example_length(data.task, n) - 1, **score(n)}
+    records.append(record)
+    log(
+      f"{prefix}: exact match {record['exact_match']:.3f}, token accuracy "
+      f"{record['token_accuracy']:.3f} ({time.perf_counter() - start:.1f}s)"
+    )
+
+  result = {
+    "step": int(step),
+    "posenc": model_cfg.posenc.kind,
+    "randomize_max": model_cfg.posenc.randomize_max,
+    "task": data.task,
+    "train_lengths": [data.task_min_len, data.task_max_len],
+    "records": records,
+  }
+  if data.task == "passkey":
+    scored = [r["length"] for r in records if "skipped" not in r]
+    grid = [[score(n, depth)["exact_match"] for n in scored] for depth in PASSKEY_DEPTHS]
+    result["passkey_depths"] = {
+      "depths": list(PASSKEY_DEPTHS),
+      "lengths": scored,
+      "exact_match": grid,
+    }
+    log("passkey exact match by depth (rows) x length (columns): " + str(grid))
+  name = out or DEFAULT_NAME
+  json_path = eval_run.write_result(result, workdir / "eval" / f"{name}.json")
+  png_path = task_plot.plot_task_runs(
+    [(task_plot.run_label(workdir.name, result), result)],
+    json_path.with_suffix(".png"),
+    title=f"{workdir.name} step {step}: {data.task}",
+  )
+  log(f"wrote {json_path} and {png_path}")
+  if "passkey_depths" in result:
+    heatmap = task_plot.plot_passkey_heatmap(result, json_path.parent / "passkey_heatmap.png")
+    log(f"wrote {heatmap}")
+  return result, json_path

@@ -1,0 +1,98 @@
+"""CoPE (Golovneva et al. 2024): contextual positions counted by gates of the queries and keys."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from roformer.posenc.base import PosEnc
+from roformer.posenc_config import PosEncConfig
+
+
+def cope_positions(q_BLHK, k_BSGK, mask_BLS):
+  """Contextual positions p_ij = sum_{t=j}^{i} sigmoid(q_i . k_t), float32 [B, H, L, S].
+
+  Masked keys (after the query, other documents) get gate 0, as the paper's code does by adding
+  log(mask) to the logits before the sigmoid. The sum runs over keys from j to the last allowed
+  one, i.e. a reversed cumulative sum along the key axis (keys in sequence order).
+  """
+  B, L, H, K = q_BLHK.shape
+  G = k_BSGK.shape[2]
+  q_BLGRK = q_BLHK.reshape(B, L, G, H // G, K)
+  # Unscaled q . k, as in the paper (the 1/sqrt(K) comes after the position term is added).
+  logits_BGRLS = jnp.einsum(
+    "blgrk,bsgk->bgrls", q_BLGRK, k_BSGK, preferred_element_type=jnp.float32
+  )
+  gates_BHLS = jax.nn.sigmoid(logits_BGRLS).reshape(B, H, L, -1) * mask_BLS[:, None]
+  return jnp.flip(jnp.cumsum(jnp.flip(gates_BHLS, -1), axis=-1), -1)
+
+
+def cope_logits(q_BLHK, pos_BHLS, pos_emb_PK):
+  """q_i . e[p_ij] with e[p] linearly interpolated between integer positions, float32 [B, H, L, S].
+
+  Positions are clamped to P - 1 (P = number of embeddings). q . e[k] is computed once per
+  integer k and then interpolated: (p - floor p) z[ceil p] + (1 - p + floor p) z[floor p].
+  """
+  P = pos_emb_PK.shape[0]
+  pos_BHLS = jnp.minimum(pos_BHLS, P - 1)
+  z_BHLP = jnp.einsum(
+    "blhk,pk->bhlp", q_BLHK, pos_emb_PK.astype(q_BLHK.dtype), preferred_element_type=jnp.float32
+  )
+  floor_BHLS = jnp.floor(pos_BHLS)
+  w_BHLS = pos_BHLS - floor_BHLS
+  z_floor = jnp.take_along_axis(z_BHLP, floor_BHLS.astype(jnp.int32), axis=-1)
+  z_ceil = jnp.take_along_axis(z_BHLP, jnp.ceil(pos_BHLS).astype(jnp.int32), axis=-1)
+  return z_ceil * w_BHLS + z_floor * (1.0 - w_BHLS)
+
+
+class Cope(PosEnc):
+  """CoPE: a_ij = q_i . (k_j + e[p_ij]) / sqrt(K), p_ij = sum_{t=j}^{i} sigmoid(q_i . k_t).
+
+  Positions count the keys whose gate is open between j and the query, so they depend on the
+  content; fractional positions interpolate the learned embeddings e[0..P-1] (P =
+  posenc.cope_npos_max, 64 by default; zero-initialised as in the paper's code, so training
+  starts position-free like NoPE). The embeddings are one [P, K] table shared by the heads, as
+  in the paper's code, and by the layers (one encoding module per model; the paper has one per
+  layer). Causal decoders only: the count runs from the key up to the query.
+
+  Why a fourth hook. The three hooks of the contract see positions (embed, bias) or act on q
+  and k position by position (rotate); none sees a query and a key together. CoPE's bias at
+  (i, j) needs q_i . k_t for every t between j and i, then the mask, then a cumulative sum over
+  the keys. So it gets `content_bias(q, k, mask)`, which the dense kernel adds to the scaled
+  logits; the default (PosEnc.content_bias = None) adds nothing. The chunked kernel refuses it:
+  the cumulative sum over a query's keys crosses key blocks, which its online softmax visits
+  one at a time (a two-pass kernel could carry the sums, at the cost of scoring every block
+  twice); `auto` therefore picks the dense kernel for CoPE at every length.
+  ""
+  causal_only = True
+"
+
+  def __init__(self, cfg: PosEncConfig, *, head_dim: int, **kwargs):
+    super().__init__(cfg, head_dim=head_dim, **kwargs)
+    init = nnx.with_partitioning(nnx.initializers.zeros, (None, "kv"))
+    self.pos_emb = nnx.Param(
+      init(jax.random.key(0), (cfg.cope_npos_max, head_dim), self.param_dtype)
+    )
+
+  @classmethod
+  def check_config(cls, cfg: PosEncConfig, *, causal: bool, head_dim: int, seq_len: int) -> None:
+    super().check_config(cfg, causal=causal, head_dim=head_dim, seq_len=seq_len)
+    if not causal:
+      raise ValueError(
+        "posenc.kind='cope' needs a causal decoder (model.kind='decoder'): its positions count "
+        "the keys from j up to the query"
+      )
+    if cfg.cope_npos_max < 2:
+      raise ValueError(f"posenc.cope_npos_max={cfg.cope_npos_max} must be >= 2")
+
+  def content_bias(self, q_BLHK, k_BSGK, mask_BLS):
+    """float32 [B, H, L, S] added to the scaled logits: q_i . e[p_ij] / sqrt(K).
+
+    Args:
+      q_BLHK: queries [B, L, H, K] (after `rotate`).
+      k_BSGK: keys [B, S, G, K] (after `rotate`).
+      mask_BLS: bool, which keys each query may attend to (causal, segments, window).
+    """
+    pos_BHLS = cope_positions(q_BLHK, k_BSGK, mask_BLS)
+    return cope_logits(q_BLHK, pos_BHLS, self.pos_emb[...]) / math.sqrt(q_BLHK.shape[-1])

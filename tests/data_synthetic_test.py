@@ -1,0 +1,176 @@
+"""Tests of roformer.data.synthetic: hand-checked examples, oracles, determinism, validation."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from roformer.data import synthetic
+from roformer.data.config import DataConfig
+from roformer.data.errors import DataError
+from roformer.data.tokenizer import ByteTokenizer
+
+TOK = ByteTokenizer()
+
+
+class PresetRng:
+  """Stands in for np.random.Generator: preset draws in order (to build examples by hand)."""
+
+  def __init__(self, *draws):
+    self.draws = list(draws)
+
+  def choice(self, a, size=None, replace=True):
+    return np.asarray(self.draws.pop(0))
+
+  def integers(self, low, high=None, size=None):
+    return np.asarray(self.draws.pop(0))
+
+  def uniform(self):
+    return self.draws.pop(0)
+
+
+def text(tokens):
+  return bytes(int(t) for t in tokens).decode("latin-1")
+
+
+def split(task, rng, n, **kwargs):
+  tokens, is_answer = synthetic.generate(task, rng, n, **kwargs)
+  return text(tokens[~is_answer]), text(tokens[is_answer]), tokens, is_answer
+
+
+@pytest.mark.parametrize(("task", "answer"), [("copy", "cab"), ("reverse", "bac"), ("sort", "abc")])
+def test_letter_tasks_hand_checked(task, answer):
+  prompt, got, _, _ = split(task, PresetRng([ord("c"), ord("a"), ord("b")]), 3)
+  assert (prompt, got) == ("cab>", answer)
+
+
+def test_addition_hand_checked_in_both_digit_orders():
+  draws = ([9, 0, 5], [1, 2, 7])
+  assert split("addition", PresetRng(*draws), 3)[:2] == ("905+127=", "1032")
+  assert split("addition", PresetRng(*draws), 3, lsb_first=True)[:2] == ("509+721=", "2301")
+
+
+def test_associative_recall_hand_checked():
+  k = synthetic._KEYS
+  draws = ([k[0], k[1], k[2]], [ord("3"), ord("1"), ord("4")], [2, 0, 1])
+  _, answer, tokens, is_answer = split("associative_recall", PresetRng(*draws), 3)
+  want = [k[0], ord("3"), k[1], ord("1"), k[2], ord("4"), ord(":"), k[2], ord("4"), k[0], ord("3")]
+  want += [k[1], ord("1")]
+  assert tokens.tolist() == want
+  assert answer == "431" and np.flatnonzero(is_answer).tolist() == [8, 10, 12]
+
+
+def test_passkey_hand_checked():
+  key = [ord(c) for c in "12345"]
+  prompt, answer, _, _ = split("passkey", PresetRng(key), 10, depth=0.5)
+  # 10 filler tokens "The grass ", the key after round(0.5 * 10) = 5 of them.
+  assert (prompt, answer) == ("The gkey=12345.rass ?key=", "12345")
+  # Random depth comes from rng.uniform(), drawn before the key.
+  prompt, _, _, _ = split("passkey", PresetRng(0.0, [ord("0")] * 5), 4)
+  assert prompt == "key=00000.The ?key="
+
+
+# ---- Oracles: the answer is recoverable from the prompt ----
+
+
+def oracle(task, tokens, is_answer, lsb_first=False):
+  """Predicts every answer token from the tokens before it (never reading an answer token)."""
+  first = int(np.argmax(is_answer))
+  prompt = text(tokens[:first])
+  if task in ("copy", "reverse", "sort"):
+    s = prompt[:-1]
+    return {"copy": s, "reverse": s[::-1], "sort": "".join(sorted(s))}[task]
+  if task == "addition":
+    a, b = prompt[:-1].split("+")
+    if lsb_first:
+      a, b = a[::-1], b[::-1]
+    c = str(int(a) + int(b)).zfill(len(a) + 1)
+    return c[::-1] if lsb_first else c
+  if task == "associative_recall":
+    n = (first - 2) // 2  # pairs, ':', first queried key, then its value is the first answer
+    table = {tokens[2 * i]: tokens[2 * i + 1] for i in range(n)}
+    return text([table[tokens[t - 1]] for t in np.flatnonzero(is_answer)])
+  start = prompt.index("key=") + 4
+  return prompt[start : start + 5]
+
+
+@pytest.mark.parametrize("task", synthetic.TASKS)
+def test_a_perfect_oracle_gets_every_example_right(task):
+  rng = np.random.default_rng(0)
+  for n in (1, 3, 8, 32, 100):
+    for lsb_first in (False, True) if task == "addition" else (False,):
+      for _ in range(20):
+        tokens, is_answer = synthetic.generate(task, rng, n, lsb_first=lsb_first)
+        assert len(tokens) == synthetic.example_length(task, n)
+        assert oracle(task, tokens, is_answer, lsb_first) == text(tokens[is_answer])
+
+
+# ---- Batches ----
+
+
+def cfg(**fields):
+  base = dict(source="synthetic", task="copy", task_min_len=2, task_max_len=6, seq_len=16)
+  return DataConfig(**{**base, **fields})
+
+
+def batches(c=None, **kwargs):
+  return synthetic.SyntheticBatches(c or cfg(), global_batch_size=4, seed=7, **kwargs)
+
+
+def test_batches_are_identical_across_runs_resumes_and_process_layouts():
+  a, b = batches(), batches()
+  for key, value in a.batch(11).items():
+    np.testing.assert_array_equal(value, b.batch(11)[key])
+  resumed = next(b.iterate(11))
+  np.testing.assert_array_equal(resumed["inputs"], a.batch(11)["inputs"])
+  assert not np.array_equal(a.batch(11)["inputs"], a.batch(12)["inputs"])
+  halves = [batches(process_index=i, process_count=2).batch(11) for i in range(2)]
+  np.testing.assert_array_equal(
+    np.concatenate([h["inputs"] for h in halves]), a.batch(11)["inputs"]
+  )
+  other_seed = synthetic.SyntheticBatches(cfg(), global_batch_size=4, seed=8)
+  assert not np.array_equal(other_seed.batch(11)["inputs"], a.batch(11)["inputs"])
+
+
+def test_batch_weights_cover_exactly_the_answer_targets():
+  batch = batches(cfg(task="reverse")).batch(3)
+  for row in range(4):
+    t = int(batch["segment_ids"][row].sum())
+    prompt = text(batch["inputs"][row, : t // 2 + 1])
+    n = t // 2
+    assert prompt.endswith(">") and len(prompt) == n + 1
+    weighted = batch["targets"][row][batch["weights"][row] == 1]
+    assert text(weighted) == prompt[:-1][::-1]
+    assert np.all(batch["inputs"][row, t:] == TOK.pad_id) and batch["weights"][row, t:].sum() == 0
+    assert 2 <= n <= 6
+  np.testing.assert_array_equal(batch["positions"], np.tile(np.arange(16), (4, 1)))
+
+
+def test_lengths_cover_the_training_range():
+  lengths = {int(r.sum()) // 2 for s in range(30) for r in batches().batch(s)["segment_ids"]}
+  assert lengths == set(range(2, 7))
+
+
+@pytest.mark.parametrize(
+  ("fields", "match"),
+  [
+    (dict(task="bogus"), "data.task must be one of copy, reverse"),
+    (dict(task_min_len=5, task_max_len=4), "data.task_min_len=5 and data.task_max_len=4"),
+    (dict(seq_len=10), "data.seq_len=10 is too short for data.task='copy'.* needs 12 input tokens"),
+    (dict(task="associative_recall", task_max_len=200, seq_len=999), "128 distinct keys"),
+  ],
+)
+def test_bad_synthetic_configs_name_the_field(fields, match):
+  with pytest.raises(DataError, match=match):
+    synthetic.check_config(cfg(**fields))
+
+
+def test_corpus_streams_are_fixed_and_encoders_are_refused():
+  corpus = synthetic.SyntheticCorpus(cfg())
+  again = synthetic.SyntheticCorpus(cfg())
+  np.testing.assert_array_equal(corpus.tokens("validation"), again.tokens("validation"))
+  assert not np.array_equal(corpus.tokens("validation")[:100], corpus.tokens("test")[:100])
+  assert (corpus.tokens("validation") == TOK.eos_id).sum() > 100
+  with pytest.raises(DataError, match="model.kind='encoder'"):
+    corpus.train_batches(cfg(), model_kind="encoder", global_batch_size=4, seed=0)
+  assert dataclasses.replace(cfg(), task="sort").task == "sort"

@@ -1,0 +1,143 @@
+"""Tests of roformer.eval_tasks (scoring) and the synthetic pipeline end to end (slow)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from roformer import eval_tasks, task_plot
+from roformer.data import synthetic
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _predictor(examples, wrong=()):
+  table = {np.asarray(t[:-1], np.int32).tobytes(): (i, t) for i, (t, _) in enumerate(examples)}
+
+  def predict(inputs_BT, positions_BT):
+    out = np.zeros_like(np.asarray(inputs_BT))
+    for b, row in enumerate(np.asarray(inputs_BT)):
+      i, tokens = table[row.tobytes()]
+      out[b] = tokens[1:]
+      for wi, t in wrong:
+        if wi == i:
+          out[b, t] = -1
+    return out
+
+  return predict
+
+
+@pytest.mark.parametrize("task", synthetic.TASKS)
+def test_a_perfect_predictor_scores_one(task):
+  examples = eval_tasks.eval_examples(task, 5, 7, seed=0)
+  got = eval_tasks.score_examples(_predictor(examples), examples, batch_size=3)
+  assert got == {"exact_match": 1.0, "token_accuracy": 1.0, "examples": 7}
+
+
+def test_one_wrong_answer_token_costs_one_example_and_one_token():
+  examples = eval_tasks.eval_examples("copy", 4, 5, seed=0)  # answers: 4 tokens each, 20 in all
+  # Target index t predicts token t + 1: answers are targets 4..7 (tokens 5..8); 0 is a prompt
+  # target, whose errors do not count.
+  predict = _predictor(examples, wrong=[(2, 5), (3, 0)])
+  got = eval_tasks.score_examples(predict, examples, batch_size=2)
+  assert got == {"exact_match": 4 / 5, "token_accuracy": 19 / 20, "examples": 5}
+
+
+def test_eval_examples_depend_only_on_seed_length_and_depth():
+  a = eval_tasks.eval_examples("passkey", 20, 3, seed=1, depth=0.5)
+  b = eval_tasks.eval_examples("passkey", 20, 3, seed=1, depth=0.5)
+  c = eval_tasks.eval_examples("passkey", 20, 3, seed=1, depth=0.0)
+  assert all(np.array_equal(x[0], y[0]) for x, y in zip(a, b, strict=True))
+  assert not all(np.array_equal(x[0], y[0]) for x, y in zip(a, c, strict=True))
+
+
+def test_default_lengths_run_from_the_training_range_to_8x():
+  assert eval_tasks.default_lengths(8, 32) == [8, 32, 64, 128, 256]
+
+
+def test_task_plots_are_written(tmp_path):
+  result = {
+    "task": "passkey", "posenc": "rope", "train_lengths": [8, 16],
+    "records": [{"length": 8, "exact_match": 1.0, "token_accuracy": 1.0},
+                {"length": 64, "skipped": "too long"}],
+    "passkey_depths": {"depths": [0.0, 1.0], "lengths": [8], "exact_match": [[1.0], [0.5]]},
+  }  # fmt: skip
+  png = task_plot.plot_task_runs([("a", result)], tmp_path / "a.png")
+  heat = task_plot.plot_passkey_heatmap(result, tmp_path / "h.png")
+  assert png.read_bytes()[:4] == heat.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_compare_draws_task_curves_of_several_runs(tmp_path):
+  for name in ("a", "b"):
+    result = {
+      "task": "copy", "posenc": name, "randomize_max": 0, "train_lengths": [2, 4],
+      "records": [{"length": 2, "exact_match": 0.5, "token_accuracy": 0.75}],
+    }  # fmt: skip
+    (tmp_path / name / "eval").mkdir(parents=True)
+    (tmp_path / name / "eval" / "task_vs_length.json").write_text(json.dumps(result))
+  png = task_plot.compare_runs([str(tmp_path / "a"), str(tmp_path / "b")], tmp_path / "c.png")
+  assert png.read_bytes()[:4] == b"\x89PNG"
+  with pytest.raises(FileNotFoundError, match="--task_lengths"):
+    task_plot.compare_runs([str(tmp_path / "missing")], tmp_path / "d.png")
+
+
+# ---- End to end (slow): train.py by config alone, evaluation at 8x the training length ----
+
+TINY = [
+  "--config.model.num_layers=1", "--config.model.emb_dim=16", "--config.model.num_heads=2",
+  "--config.model.mlp_dim=32", "--config.data.source=synthetic", "--config.data.task=copy",
+  "--config.data.task_min_len=2", "--config.data.task_max_len=4", "--config.data.seq_len=8",
+  "--config.train.global_batch_size=4", "--config.train.num_train_steps=3",
+  "--config.train.eval_max_tokens=64", "--config.train.log_every_steps=1",
+  "--config.optim.warmup_steps=1",
+]  # fmt: skip
+
+
+def _run(args, env=None):
+  return subprocess.run(
+    [sys.executable, *args], cwd=REPO, capture_output=True, text=True,
+    env={**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})}, timeout=600,
+  )  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+  "posenc",
+  [
+    ["--config.posenc.kind=kerple"],
+    ["--config.posenc.kind=fire"],
+    ["--config.posenc.kind=sandwich"],
+    ["--config.posenc.kind=cope"],
+    ["--config.posenc.kind=rope", "--config.posenc.rope_truncate=0.5"],
+    [
+      "--config.posenc.kind=learned",
+      "--config.posenc.max_len=64",
+      "--config.posenc.randomize_max=64",
+    ],
+  ],
+  ids=["kerple", "fire", "sandwich", "cope", "prope", "learned+randomized"],
+)
+def test_new_encodings_train_by_config_and_evaluate_at_8x(tmp_path, posenc):
+  workdir = str(tmp_path / "run")
+  train = _run(["train.py", "--config=configs/default.py", f"--workdir={workdir}", *TINY, *posenc])
+  assert train.returncode == 0, train.stderr[-2000:]
+  lines = [json.loads(x) for x in open(os.path.join(workdir, "metrics.jsonl"))]
+  assert [x["step"] for x in lines if "train_loss" in x] == [1, 2, 3]
+  ev = _run(["eval.py", f"--workdir={workdir}", "--task_lengths=2,4,32", "--task_examples=4"])
+  assert ev.returncode == 0, ev.stderr[-2000:]
+  result = json.loads(open(os.path.join(workdir, "eval", "task_vs_length.json")).read())
+  assert [r["length"] for r in result["records"]] == [2, 4, 32]  # 32 = 8x the longest
+  assert all(0.0 <= r["token_accuracy"] <= 1.0 for r in result["records"])
+  assert os.path.exists(os.path.join(workdir, "eval", "task_vs_length.png"))
+
+
+def test_task_evaluation_refuses_a_perplexity_run(tmp_path):
+  from configs import default
+  from roformer import config_lib
+
+  config_lib.write_config_json(tmp_path, config_lib.run_config_from_dict(default.get_config()))
+  with pytest.raises(ValueError, match="trained with data.source='pystdlib'"):
+    eval_tasks.evaluate_tasks(tmp_path, lengths=[4])

@@ -1,0 +1,45 @@
+"""The synthetic-task grid end to end at --scale=tiny (what CI runs), and its resume."""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _grid(out, workdirs, *extra):
+  return subprocess.run(
+    [sys.executable, "experiments/synthetic.py", "--scale=tiny", f"--out={out}",
+     f"--workdir_root={workdirs}", *extra],
+    cwd=REPO, capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    timeout=900,
+  )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_tiny_grid_writes_every_output_and_resumes(tmp_path):
+  out, workdirs = tmp_path / "out", tmp_path / "workdirs"
+  first = _grid(out, workdirs)
+  assert first.returncode == 0, first.stderr[-3000:]
+  progress = [line for line in first.stdout.splitlines() if line.startswith("[")]
+  assert len(progress) == 6 and all("exact match n=" in line for line in progress)
+  for task in ("copy", "associative_recall", "passkey"):
+    assert (out / f"{task}.png").read_bytes()[:4] == b"\x89PNG"
+    result = json.loads((out / f"{task}__rope.json").read_text())
+    # Scored from the training range to 8x its longest length.
+    lo, hi = result["train_lengths"]
+    assert [r["length"] for r in result["records"]] == sorted({lo, hi, 2 * hi, 4 * hi, 8 * hi})
+  assert "passkey_depths" in json.loads((out / "passkey__fire+randomized.json").read_text())
+  assert (out / "passkey_heatmap__fire+randomized.png").exists()
+  rows = list(csv.DictReader(open(out / "results.csv")))
+  assert len(rows) == 6 * 5 and {r["randomized"] for r in rows} == {"True", "False"}
+  assert "| fire | yes |" in (out / "table.md").read_text()
+  # A rerun skips every finished run (no training) and rewrites the summaries.
+  again = _grid(out, workdirs, "--only=copy")
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert again.stdout.count("done before, skipped") == 2
+  assert len(list(csv.DictReader(open(out / "results.csv")))) == 6 * 5

@@ -1,0 +1,205 @@
+"""Tests of the newer encodings (kerple, fire, sandwich, p-RoPE, cope) against hand computations."""
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from roformer import attention, posenc
+from roformer.posenc_config import PosEncConfig
+
+
+def make(kind, *, num_heads=2, head_dim=4, emb_dim=8, causal=True, **fields):
+  with nnx.use_eager_sharding(False):
+    return posenc.make_posenc(
+      PosEncConfig(kind=kind, **fields),
+      num_heads=num_heads,
+      head_dim=head_dim,
+      emb_dim=emb_dim,
+      causal=causal,
+      rngs=nnx.Rngs(0),
+    )
+
+
+def pos(*values):
+  return jnp.asarray([values], jnp.int32)
+
+
+def test_kerple_bias_is_minus_r1_log_one_plus_r2_distance():
+  pe = make("kerple")
+  pe.r1[...] = jnp.asarray([0.5, 2.0])
+  pe.r2[...] = jnp.asarray([1.0, 0.25])
+  got = np.asarray(pe.bias(pos(3), pos(0, 1, 3)))[0, :, 0]  # query at 3: distances 3, 2, 0
+  want = [
+    [-0.5 * math.log(1 + 3.0), -0.5 * math.log(1 + 2.0), 0.0],
+    [-2.0 * math.log(1 + 0.75), -2.0 * math.log(1 + 0.5), 0.0],
+  ]
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_kerple_clamps_r1_and_r2_at_the_papers_epsilon():
+  pe = make("kerple")
+  pe.r1[...] = jnp.asarray([-1.0, 1.0])
+  pe.r2[...] = jnp.asarray([1.0, -3.0])
+  got = np.asarray(pe.bias(pos(4), pos(0)))[0, :, 0, 0]
+  np.testing.assert_allclose(got, [-0.01 * math.log(5.0), -math.log(1 + 0.04)], rtol=1e-6)
+
+
+def test_kerple_initialisation_follows_the_paper():
+  pe = make("kerple", num_heads=64)
+  r1, r2 = np.asarray(pe.r1[...]), np.asarray(pe.r2[...])
+  assert 0 <= r1.min() and r1.max() <= 2 and r1.max() > 1  # U(0, 2)
+  assert 0 <= r2.min() and r2.max() <= 1  # U(0, 1)
+
+
+def test_fire_bias_is_the_mlp_of_the_progressively_normalised_log_distance():
+  pe = make("fire", fire_mlp_width=1, fire_init_c=1.0, fire_init_threshold=2.0)
+  pe.w1[...] = jnp.asarray([1.0])
+  pe.b1[...] = jnp.asarray([0.0])
+  pe.w2[...] = jnp.asarray([[2.0, -1.0]])
+  pe.b2[...] = jnp.asarray([0.5, 0.0])
+  got = np.asarray(pe.bias(pos(1, 3), pos(0, 1)))[0]  # [H, 2 queries, 2 keys]
+  # query 1: normaliser log(max(2, 1) + 1) = log 3; query 3: log(3 + 1) = log 4.
+  x = np.array(
+    [[math.log(2) / math.log(3), 0.0], [math.log(4) / math.log(4), math.log(3) / math.log(4)]]
+  )
+  x = x / (1 + 1e-6 / np.array([[math.log(3)], [math.log(4)]]))  # the eps of the normaliser
+  np.testing.assert_allclose(got[0], 2 * x + 0.5, rtol=1e-6)
+  np.testing.assert_allclose(got[1], -x, rtol=1e-6)
+
+
+def test_fire_defaults_are_the_papers():
+  pe = make("fire")
+  assert pe.w1[...].shape == (32,) and pe.w2[...].shape == (32, 2)
+  assert float(pe.c[...]) == pytest.approx(0.1) and float(pe.l_multiplier[...]) == 1.0
+  assert pe.cfg.fire_init_threshold == 512.0
+
+
+def test_sandwich_bias_is_the_compressed_inner_product_of_sinusoids():
+  pe = make("sandwich", num_heads=2, sandwich_dim=4)
+  got = np.asarray(pe.bias(pos(5), pos(0, 3, 5)))[0, :, 0]  # distances 5, 2, 0
+  # d' = 4: theta_1 = 10000^(-2/4) = 0.01, theta_2 = 10000^(-4/4) = 1e-4; heads divide by 8h/2.
+  inner = [math.cos(0.01 * d) + math.cos(1e-4 * d) - 2 for d in (5, 2, 0)]
+  np.testing.assert_allclose(got[0], np.array(inner) / 4, rtol=1e-5, atol=1e-9)
+  np.testing.assert_allclose(got[1], np.array(inner) / 8, rtol=1e-5, atol=1e-9)
+
+
+def test_sandwich_dim_defaults_to_the_model_width():
+  assert make("sandwich", emb_dim=8).dim == 8
+
+
+def test_rope_truncate_zeroes_the_lowest_frequencies_and_leaves_their_dims_unrotated():
+  pe = make("rope", head_dim=8, num_heads=1, rope_truncate=0.5)
+  inv_freq, _ = pe.frequencies(pos(0))
+  # head_dim 8: theta = 10000^(-2i/8) = 1, 0.1, 0.01, 0.001; the two lowest are truncated.
+  np.testing.assert_allclose(np.asarray(inv_freq), [1.0, 0.1, 0.0, 0.0], rtol=1e-6)
+  q = jnp.arange(8, dtype=jnp.float32).reshape(1, 1, 1, 8) + 1.0
+  q_rot, _ = pe.rotate(q, q, pos(7), pos(7))
+  np.testing.assert_array_equal(np.asarray(q_rot)[..., 4:], np.asarray(q)[..., 4:])
+  c, s = math.cos(7.0), math.sin(7.0)  # pair (0, 1) rotates by 7 * theta_0 = 7
+  np.testing.assert_allclose(np.asarray(q_rot)[0, 0, 0, :2], [c - 2 * s, 2 * c + s], rtol=1e-5)
+
+
+def test_rope_truncate_is_refused_for_non_rotary_encodings():
+  with pytest.raises(ValueError, match="posenc.rope_truncate"):
+    make("alibi", rope_truncate=0.25)
+  with pytest.raises(ValueError, match=r"posenc.rope_truncate=1.0 must be in \[0, 1\)"):
+    make("rope", rope_truncate=1.0)
+
+
+def _cope_by_hand(q, k, pos_emb):
+  """CoPE's bias for one head with a causal mask, written out with loops (float64)."""
+  L, K = q.shape
+  P = pos_emb.shape[0]
+  out = np.zeros((L, L))
+  for i in range(L):
+    for j in range(i + 1):
+      p = sum(1 / (1 + math.exp(-q[i] @ k[t])) for t in range(j, i + 1))
+      p = min(p, P - 1)
+      lo, hi = math.floor(p), math.ceil(p)
+      w = p - lo
+      out[i, j] = (w * (q[i] @ pos_emb[hi]) + (1 - w) * (q[i] @ pos_emb[lo])) / math.sqrt(K)
+  return out
+
+
+def test_cope_content_bias_matches_a_hand_computation():
+  pe = make("cope", num_heads=1, head_dim=2, cope_npos_max=3)
+  pos_emb = np.array([[0.0, 1.0], [1.0, -1.0], [0.5, 2.0]])
+  pe.pos_emb[...] = jnp.asarray(pos_emb, jnp.float32)
+  q = np.array([[0.5, -1.0], [1.0, 0.5], [2.0, 1.0], [-0.5, 1.5]])
+  k = np.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [-1.0, 0.5]])
+  mask = np.tril(np.ones((4, 4), bool))
+  got = pe.content_bias(
+    jnp.asarray(q, jnp.float32)[None, :, None],
+    jnp.asarray(k, jnp.float32)[None, :, None],
+    jnp.asarray(mask)[None],
+  )
+  want = _cope_by_hand(q, k, pos_emb)
+  np.testing.assert_allclose(np.asarray(got)[0, 0] * mask, want, rtol=1e-5, atol=1e-6)
+  # The count reaches past P - 1 = 2 for the query at 3 and the first key: clamped there.
+  p_30 = sum(1 / (1 + math.exp(-q[3] @ k[t])) for t in range(4))
+  assert p_30 > 2
+  assert np.asarray(got)[0, 0, 3, 0] == pytest.approx(q[3] @ pos_emb[2] / math.sqrt(2), rel=1e-5)
+
+
+def _qkv(L=12, H=2, K=4, seed=0):
+  rng = np.random.default_rng(seed)
+  q, k, v = (jnp.asarray(rng.standard_normal((1, L, H, K)), jnp.float32) for _ in range(3))
+  return q, k, v, jnp.arange(L, dtype=jnp.int32)[None]
+
+
+def test_cope_is_refused_by_the_chunked_kernel_and_routed_to_dense_by_auto():
+  pe = make("cope", num_heads=2, head_dim=4)
+  pe.pos_emb[...] = jnp.asarray(np.random.default_rng(1).standard_normal((64, 4)), jnp.float32)
+  q, k, v, p = _qkv()
+  kwargs = dict(causal=True, bias_fn=pe.bias, content_bias_fn=pe.content_bias, block=4)
+  with pytest.raises(ValueError, match="chunked attention kernel cannot add a content-dependent"):
+    attention.chunked_attention(q, k, v, p, p, **kwargs)
+  dense = attention.dense_attention(q, k, v, p, p, **kwargs)
+  auto = attention.auto_attention(q, k, v, p, p, **kwargs)  # 12 * 12 > 4 * 4: long for auto
+  np.testing.assert_array_equal(np.asarray(auto), np.asarray(dense))
+  without = attention.dense_attention(q, k, v, p, p, causal=True, block=4)
+  assert np.abs(np.asarray(dense) - np.asarray(without)).max() > 1e-3  # the bias is applied
+
+
+def test_cope_config_is_refused_with_the_chunked_kernel_and_for_encoders():
+  cfg = PosEncConfig(kind="cope")
+  with pytest.raises(ValueError, match="model.attention_impl to 'dense' or 'auto'"):
+    posenc.validate_posenc(cfg, causal=True, head_dim=4, attention_impl="chunked")
+  with pytest.raises(ValueError, match="needs a causal decoder"):
+    posenc.validate_posenc(cfg, causal=False, head_dim=4)
+
+
+@pytest.mark.parametrize("kind", ["kerple", "fire", "sandwich"])
+def test_new_biases_give_the_same_attention_in_chunked_and_dense_kernels(kind):
+  pe = make(kind, num_heads=2, head_dim=4)
+  q, k, v, p = _qkv(L=20)
+  p = p + 1000  # far from 0: FIRE's normaliser and the distances must come from the positions
+  kwargs = dict(causal=True, bias_fn=pe.bias, block=8)
+  dense = attention.dense_attention(q, k, v, p, p, **kwargs)
+  chunked = attention.chunked_attention(q, k, v, p, p, **kwargs)
+  assert float(jnp.abs(dense - chunked).max()) < 1e-5
+
+
+def test_randomize_max_reaches_the_learned_table_check():
+  with pytest.raises(ValueError, match="posenc.max_len=64"):
+    posenc.validate_posenc(
+      PosEncConfig(kind="learned", max_len=64, randomize_max=128), causal=True, head_dim=4
+    )
+  posenc.validate_posenc(
+    PosEncConfig(kind="learned", max_len=128, randomize_max=128), causal=True, head_dim=4
+  )
+
+
+def test_new_bias_gradients_reach_their_parameters():
+  for kind, names in (("kerple", ("r1", "r2")), ("fire", ("w1", "w2", "c", "l_multiplier"))):
+    pe = make(kind, fire_init_threshold=4.0)
+
+    def loss(pe):
+      return pe.bias(pos(0, 3, 9), pos(0, 2, 5, 9)).sum()
+
+    grads = nnx.grad(loss)(pe)
+    for name in names:
+      assert float(jnp.abs(getattr(grads, name)[...]).sum()) > 0, (kind, name)
