@@ -64,9 +64,9 @@ class Cope(PosEnc):
   the cumulative sum over a query's keys crosses key blocks, which its online softmax visits
   one at a time (a two-pass kernel could carry the sums, at the cost of scoring every block
   twice); `auto` therefore picks the dense kernel for CoPE at every length.
-  ""
+  """
+
   causal_only = True
-"
 
   def __init__(self, cfg: PosEncConfig, *, head_dim: int, **kwargs):
     super().__init__(cfg, head_dim=head_dim, **kwargs)

@@ -35,10 +35,10 @@ class Sandwich(PosEnc):
   theta_i = 10000^(-2i/d') and d' = posenc.sandwich_dim (0 = model.emb_dim, the paper's
   choice: the inner product of the model's own sinusoidal embeddings). No parameters; cos is
   even, so the same bias serves encoders and decoders.
-  ""
+  """
+
   # Its paper ran in the ALiBi paper's fairseq setup: tokens N(0, 1/d) times sqrt(d).
   paper_embed_scale = "sqrt_d"
-"
 
   def __init__(self, cfg: PosEncConfig, *, emb_dim: int, **kwargs):
     super().__init__(cfg, emb_dim=emb_dim, **kwargs)
