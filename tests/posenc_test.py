@@ -518,7 +518,7 @@ def test_posenc_modules_run_under_jit_as_pytrees(kind):
   # Exactly the hooks of its kind changed something.
   assert bool(jnp.any(x2 != x)) == (kind in ("sinusoidal", "learned"))
   assert bool(jnp.any(q2 != q)) == (kind in ("rope", "xpos"))
-  assert bool(jnp.any(bias_BHLS != 0)) == (kind in ("alibi", "t5"))
+  assert bool(jnp.any(bias_BHLS != 0)) == (kind in ("alibi", "t5", "kerple", "fire", "sandwich"))
 
 
 @pytest.mark.parametrize("causal", [True, False])

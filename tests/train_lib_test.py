@@ -68,11 +68,11 @@ def test_weight_decay_shrinks_matrices_but_not_norms_or_biases():
       np.testing.assert_allclose(got, 0.5 * np.asarray(before), rtol=1e-6, err_msg=name)
     elif name.endswith("['scale']") or np.ndim(before) == 1:
       np.testing.assert_array_equal(got, np.asarray(before), err_msg=name)
-  # A 2-D attention bias ([heads, head_dim]) is decayed like a matrix: only 1-D params are spared.
-  np.testing.assert_allclose(after["attn"]["bias"], 0.5 * params["attn"]["bias"], rtol=1e-6)
+  # A 2-D attention bias ([heads, head_dim]) is a bias all the same: never decayed.
+  np.testing.assert_array_equal(after["attn"]["bias"], params["attn"]["bias"])
 
 
-def test_decay_mask_spares_every_one_dimensional_model_parameter():
+def test_decay_mask_spares_every_one_dimensional_model_parameter_and_every_bias():
   params = nnx.state(nnx.eval_shape(_tiny_model), nnx.Param)
   mask = train_lib.decay_mask(params)
   for (path, keep), (_, value) in zip(
@@ -80,7 +80,8 @@ def test_decay_mask_spares_every_one_dimensional_model_parameter():
     jax.tree_util.tree_leaves_with_path(params),
     strict=True,
   ):
-    assert bool(keep) == (np.ndim(value) >= 2), jax.tree_util.keystr(path)
+    name = jax.tree_util.keystr(path)
+    assert bool(keep) == (np.ndim(value) >= 2 and "bias" not in name), name
   names = [jax.tree_util.keystr(p) for p, k in jax.tree_util.tree_leaves_with_path(mask) if not k]
   assert any("norm" in n for n in names) and any("bias" in n for n in names)
 
