@@ -247,7 +247,16 @@ _BAD_INPUTS = [
   ({"posenc.kind": "rotary"}, [], "posenc.kind"),
   ({"data.files": "/nonexistent/*.txt"}, [], "data.files"),
   ({"data.files": "EMPTY"}, [], "empty"),
-  ({"data.source": "hub", "data.hub_name": "someone/corpus"}, [], "data.hub_name"),
+  (
+    {
+      "data.source": "hub",
+      "data.hub_name": "someone/corpus",
+      "data.files": "",
+      "data.validation_files": "",
+    },
+    [],
+    "data.hub_name",
+  ),
   ({"posenc.kind": "learned", "posenc.max_len": 16}, [], "posenc.max_len"),
   ({"model.num_heads": 4, "model.num_kv_heads": 3}, [], "model.num_kv_heads"),
   ({"model.kind": "encoder", "posenc.kind": "xpos"}, [], "xpos"),
