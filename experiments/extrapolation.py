@@ -26,7 +26,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import grid  # noqa: E402
 import report  # noqa: E402
 
-ENCODINGS = ("sinusoidal", "learned", "t5", "alibi", "rope", "xpos", "nope")
+ENCODINGS = ("sinusoidal", "learned", "rope", "alibi", "nope", "t5", "xpos")
 SCALINGS = ("linear", "ntk", "dynamic", "yarn", "llama3")
 FINETUNES = ("linear", "yarn")  # PI and YaRN
 

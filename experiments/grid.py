@@ -162,6 +162,12 @@ def run_grid(
     t0 = time.time()
     last_eval = train_lib.train_and_evaluate(config, str(workdir))
     train_seconds = time.time() - t0
+    metrics = _read_metrics(workdir)
+    trained = max((m["step"] for m in metrics if "train_loss" in m), default=0)
+    if trained < config.train.num_train_steps:
+      # A signal stopped training (its checkpoint is saved): the run is not done, and a rerun
+      # resumes it.
+      raise SystemExit(f"{run.name} stopped at step {trained}; rerun the grid to resume it")
     evaluations = []
     for ev in run.evals:
       evaluations.append(_evaluate(workdir, ev))
@@ -173,7 +179,7 @@ def run_grid(
       "overrides": overrides,
       "train_seconds": round(train_seconds, 1),
       "final_eval": {k: v for k, v in last_eval.items() if isinstance(v, int | float)},
-      "metrics": _read_metrics(workdir),
+      "metrics": metrics,
       "evaluations": evaluations,
     }
     path.write_text(json.dumps(record, indent=2) + "\n")
