@@ -69,6 +69,32 @@ def corpus_overrides(corpus: str) -> dict:
   raise SystemExit(f"--corpus must be one of {CORPORA}, got {corpus!r}")
 
 
+def parse_cli(doc: str, *, name: str, scales, encodings: Sequence[str]):
+  """The drivers' command line: --scale, --corpus, --only, --out, --workroot.
+
+  Returns:
+    (args, the set of encodings to run (empty = all), OUT, the root of the run workdirs).
+  """
+  import argparse
+
+  parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+  parser.add_argument("--scale", choices=sorted(scales), default="cpu")
+  parser.add_argument("--corpus", choices=CORPORA, default="pystdlib")
+  parser.add_argument("--only", default="", help="comma-separated encodings (default: all)")
+  parser.add_argument("--out", default="", help=f"default results/{name}/<corpus>")
+  parser.add_argument("--workroot", default="", help="run workdirs (default under the cache)")
+  args = parser.parse_args()
+  only = {x for x in args.only.split(",") if x}
+  unknown = only - set(encodings)
+  if unknown:
+    parser.error(f"--only: unknown encodings {sorted(unknown)}; choose from {tuple(encodings)}")
+  out = pathlib.Path(args.out or REPO / "results" / name / args.corpus)
+  workroot = pathlib.Path(
+    args.workroot or cache_root() / "experiments" / f"{name}_{args.scale}_{args.corpus}"
+  )
+  return args, only, out, workroot
+
+
 def make_config(base: str, overrides: dict):
   """configs/<base>.py with dotted-name overrides applied (a locked ConfigDict)."""
   import importlib

@@ -16,7 +16,6 @@ table.md. Finished runs are skipped, so a killed grid resumes.
 
 from __future__ import annotations
 
-import argparse
 import pathlib
 import sys
 
@@ -91,22 +90,10 @@ def grid_runs(scale: dict, only: set[str]) -> list[grid.Run]:
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--scale", choices=sorted(SCALES), default="cpu")
-  parser.add_argument("--corpus", choices=grid.CORPORA, default="pystdlib")
-  parser.add_argument("--only", default="", help="comma-separated encodings (default: all)")
-  parser.add_argument("--out", default="", help="default results/mlm/<corpus>")
-  parser.add_argument("--workroot", default="", help="run workdirs (default under the cache)")
-  args = parser.parse_args()
-  only = {x for x in args.only.split(",") if x}
-  unknown = only - set(ENCODINGS)
-  if unknown:
-    parser.error(f"--only: unknown encodings {sorted(unknown)}; choose from {ENCODINGS}")
-  scale = SCALES[args.scale]
-  out = pathlib.Path(args.out or grid.REPO / "results" / "mlm" / args.corpus)
-  workroot = pathlib.Path(
-    args.workroot or grid.cache_root() / "experiments" / f"mlm_{args.scale}_{args.corpus}"
+  args, only, out, workroot = grid.parse_cli(
+    __doc__, name="mlm", scales=SCALES, encodings=ENCODINGS
   )
+  scale = SCALES[args.scale]
   common = {
     **grid.corpus_overrides(args.corpus),
     "model.kind": "encoder",

@@ -21,7 +21,8 @@ class PosEnc(nnx.Module):
     paper_embed_scale: the token-embedding scale its paper trained with, `model.embed_scale="auto"`
       ("none": BERT's N(0, 0.02^2) table; "sqrt_d": N(0, 1/d) times sqrt(d), Vaswani / fairseq).
     accepts_rope_scaling: whether a RoPE context-extension scaling applies to it.
-    causal_only: whether it needs a causal decoder (`check_config` refuses an encoder).
+    causal_only: whether it needs a causal decoder (`check_config` refuses an encoder, giving
+      `causal_reason`).
     decays_parameters: whether its parameters get weight decay as its paper trained them.
     paper_eval_window: the attention its paper evaluated long inputs with: "none" (full causal
       attention) or "blockwise" (xPos's blockwise causal attention at the training length);
@@ -31,6 +32,7 @@ class PosEnc(nnx.Module):
   paper_embed_scale = "none"
   accepts_rope_scaling = False
   causal_only = False
+  causal_reason = ""
   decays_parameters = False
   paper_eval_window = "none"
 
@@ -58,7 +60,13 @@ class PosEnc(nnx.Module):
   @classmethod
   def check_config(cls, cfg: PosEncConfig, *, causal: bool, head_dim: int, seq_len: int) -> None:
     """Raises ValueError for settings this encoding cannot honour (see `validate_posenc`)."""
-    del causal, head_dim, seq_len
+    del head_dim, seq_len
+    if cls.causal_only and not causal:
+      raise ValueError(
+        f"posenc.kind={cfg.kind!r} needs a causal decoder (model.kind='decoder'): "
+        f"{cls.causal_reason}; for an encoder use posenc.kind in ('rope', 'alibi', 't5', "
+        "'learned', 'sinusoidal')"
+      )
     if cfg.scaling.kind != "none" and not cls.accepts_rope_scaling:
       raise ValueError(
         f"posenc.scaling.kind={cfg.scaling.kind!r} applies only to the rotary encodings "
@@ -97,18 +105,12 @@ class NoPE(PosEnc):
   """
 
   causal_only = True
+  causal_reason = (
+    "without a causal mask an encoder is permutation-equivariant (a bag of words) and cannot "
+    "learn word order"
+  )
   # The paper's models are Hugging Face T5 decoders: tokens N(0, 1), tied logits times d^-0.5.
   paper_embed_scale = "sqrt_d"
-
-  @classmethod
-  def check_config(cls, cfg: PosEncConfig, *, causal: bool, head_dim: int, seq_len: int) -> None:
-    super().check_config(cfg, causal=causal, head_dim=head_dim, seq_len=seq_len)
-    if not causal:
-      raise ValueError(
-        "posenc.kind='nope' needs a causal decoder (model.kind='decoder'): without a causal mask "
-        "an encoder is permutation-equivariant (a bag of words) and cannot learn word order; "
-        "for an encoder use posenc.kind in ('rope', 'alibi', 't5', 'learned', 'sinusoidal')"
-      )
 
 
 def check_positions(pos: jax.Array, name: str, leading: tuple[int, ...] | None = None) -> None:

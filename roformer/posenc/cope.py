@@ -67,6 +67,7 @@ class Cope(PosEnc):
   """
 
   causal_only = True
+  causal_reason = "its positions count the keys from j up to the query"
 
   def __init__(self, cfg: PosEncConfig, *, head_dim: int, **kwargs):
     super().__init__(cfg, head_dim=head_dim, **kwargs)
@@ -78,11 +79,6 @@ class Cope(PosEnc):
   @classmethod
   def check_config(cls, cfg: PosEncConfig, *, causal: bool, head_dim: int, seq_len: int) -> None:
     super().check_config(cfg, causal=causal, head_dim=head_dim, seq_len=seq_len)
-    if not causal:
-      raise ValueError(
-        "posenc.kind='cope' needs a causal decoder (model.kind='decoder'): its positions count "
-        "the keys from j up to the query"
-      )
     if cfg.cope_npos_max < 2:
       raise ValueError(f"posenc.cope_npos_max={cfg.cope_npos_max} must be >= 2")
 

@@ -135,7 +135,7 @@ class Rope(PosEnc):
 
   @classmethod
   def check_config(cls, cfg: PosEncConfig, *, causal: bool, head_dim: int, seq_len: int) -> None:
-    del causal, seq_len
+    super().check_config(cfg, causal=causal, head_dim=head_dim, seq_len=seq_len)
     if head_dim % 2:
       raise ValueError(
         f"model.head_dim={head_dim} must be even for posenc.kind={cfg.kind!r} "
@@ -201,6 +201,10 @@ class XPos(Rope):
   """
 
   causal_only = True
+  causal_reason = (
+    "its scale zeta^((m - n)/scale_base) decays only for keys before the query and grows without "
+    "bound for keys after it"
+  )
   paper_eval_window = "blockwise"
   # The paper's language models are torchscale's fairseq ones: tokens N(0, 1/d) times sqrt(d).
   paper_embed_scale = "sqrt_d"
@@ -208,12 +212,6 @@ class XPos(Rope):
   @classmethod
   def check_config(cls, cfg: PosEncConfig, *, causal: bool, head_dim: int, seq_len: int) -> None:
     super().check_config(cfg, causal=causal, head_dim=head_dim, seq_len=seq_len)
-    if not causal:
-      raise ValueError(
-        "posenc.kind='xpos' needs a causal decoder (model.kind='decoder'): its scale "
-        "zeta^((m - n)/scale_base) decays only for keys before the query and grows without bound "
-        "for keys after it; for an encoder use posenc.kind in ('rope', 'alibi', 't5')"
-      )
     if not cfg.xpos_gamma > 0:
       raise ValueError(f"posenc.xpos_gamma={cfg.xpos_gamma} must be > 0")
     if not cfg.xpos_scale_base > 0:
