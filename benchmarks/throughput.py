@@ -325,6 +325,9 @@ def main(argv):
   if FLAGS.compare_hf and (missing := _hf_missing()):
     print(f"throughput.py: error: {missing}", file=sys.stderr)
     sys.exit(1)
+  from roformer import cpu_flags
+
+  cpu_flags.set_default_cpu_flags()  # as train.py does, before JAX starts
   from roformer import config_lib
 
   try:
