@@ -65,6 +65,14 @@ def get_config() -> ml_collections.ConfigDict:
   model.attention_block = 512
   # Sliding-window attention: keys within this many positions of the query (0 = all keys).
   model.attention_window = 0
+  # Stack the blocks' parameters ([num_layers, ...]) and run them with lax.scan: one block to
+  # compile instead of num_layers (deep models compile faster). Checkpoints of the two layouts
+  # differ, and Hugging Face imports need False.
+  model.scan_layers = False
+  # Rematerialisation of each block in the backward pass: "none" (store every activation),
+  # "block" (store only matmul outputs; recompute scores, softmax, norms, activations) or "full"
+  # (store only the block's input).
+  model.remat = "none"
 
   # ---- posenc: the positional encoding (one field picks it; every kind's fields are here) ----
   config.posenc = posenc = ml_collections.ConfigDict()
