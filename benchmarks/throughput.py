@@ -20,13 +20,13 @@ run it on an otherwise idle machine.
   JAX_PLATFORMS=cpu python benchmarks/throughput.py --smoke   # seconds; what the test runs
 """
 
-import functools
 import json
 import os
 import statistics
 import sys
 import time
 
+import bench_step
 from absl import app, flags
 from ml_collections import config_flags
 
@@ -55,8 +55,6 @@ SMOKE = {
   "data.vocab_size": 128,
   "train.global_batch_size": 4,
 }
-# The tokenizer's vocabulary size, without training one: bytes has 261 ids.
-BYTES_VOCAB = 261
 
 
 def _apply(config, overrides):
@@ -64,32 +62,6 @@ def _apply(config, overrides):
     group, field = name.split(".")
     with config.unlocked():
       config[group][field] = value
-
-
-def _run_config(config):
-  from roformer import config_lib
-
-  vocab = BYTES_VOCAB if config.data.tokenizer == "bytes" else config.data.vocab_size
-  return config_lib.run_config_from_dict(config, vocab_size=vocab)
-
-
-def synthetic_batch(rc, rng):
-  """A global batch shaped like TrainBatches' (random tokens; BERT-style weights for encoders)."""
-  import numpy as np
-
-  B, L, V = rc.train.global_batch_size, rc.data.seq_len, rc.model.vocab_size
-  tokens_BL = rng.integers(0, V, (B, L), dtype=np.int32)
-  if rc.model.kind == "encoder":
-    weights_BL = (rng.random((B, L)) < rc.data.mlm_probability).astype(np.float32)
-  else:
-    weights_BL = np.ones((B, L), np.float32)
-  return {
-    "inputs": tokens_BL,
-    "targets": np.roll(tokens_BL, -1, axis=1),
-    "positions": np.broadcast_to(np.arange(L, dtype=np.int32), (B, L)).copy(),
-    "segment_ids": np.ones((B, L), np.int32),
-    "weights": weights_BL,
-  }
 
 
 def flops_per_token(rc, *, head_fraction: float = 1.0) -> float:
@@ -137,60 +109,6 @@ def measure_peak(size: int, dtype: str) -> float:
   return 2.0 * size**3 / statistics.median(times)
 
 
-class JaxTrainer:
-  """train_lib's train step on one synthetic batch, jitted as train.py jits it."""
-
-  def __init__(self, rc):
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    from roformer import sharding, train_lib
-
-    self.rc = rc
-    mesh, rules = sharding.make_mesh(rc.mesh), sharding.axis_rules(rc.mesh)
-    tx = train_lib.make_optimizer(rc.optim, rc.train.num_train_steps)
-    model_def, self.model_state, opt_def, self.opt_state = train_lib.create_train_state(
-      rc, tx, mesh, rules
-    )
-    model_sh = sharding.shardings_of(self.model_state)
-    opt_sh = sharding.shardings_of(self.opt_state)
-    repl = sharding.replicated(mesh)
-    step_fn = jax.jit(
-      functools.partial(
-        train_lib.train_step,
-        model_def=model_def,
-        opt_def=opt_def,
-        **train_lib.train_step_options(rc),
-      ),
-      in_shardings=(model_sh, opt_sh, sharding.batch_sharding(mesh, rules), repl),
-      out_shardings=(model_sh, opt_sh, repl),
-      donate_argnums=(0, 1),
-    )
-    local = synthetic_batch(rc, np.random.default_rng(0))
-    self.batch = sharding.put_batch(local, mesh, rules, rc.train.global_batch_size)
-    self.step = jnp.asarray(0, jnp.int32)
-    start = time.perf_counter()
-    lowered = step_fn.lower(self.model_state, self.opt_state, self.batch, self.step)
-    self.compiled = lowered.compile()
-    self.compile_seconds = time.perf_counter() - start
-    cost = self.compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, list) else cost
-    self.flops_per_step = float(cost.get("flops", 0.0)) if cost else 0.0
-
-  def run(self, steps: int) -> float:
-    """Runs `steps` steps; returns the seconds they took (device work included)."""
-    import jax
-
-    start = time.perf_counter()
-    for _ in range(steps):
-      self.model_state, self.opt_state, metrics = self.compiled(
-        self.model_state, self.opt_state, self.batch, self.step
-      )
-    jax.block_until_ready((self.model_state, metrics))
-    return time.perf_counter() - start
-
-
 class HfTrainer:
   """Hugging Face RoFormer of the same shape, trained with torch AdamW on the same batch."""
 
@@ -228,7 +146,7 @@ class HfTrainer:
       eps=o.eps,
       weight_decay=o.weight_decay,
     )
-    batch = synthetic_batch(rc, np.random.default_rng(0))
+    batch = bench_step.synthetic_batch(rc, np.random.default_rng(0))
     self.inputs = torch.from_numpy(batch["inputs"]).long()
     labels = batch["inputs"].astype(np.int64)
     if m.kind == "encoder":  # HF ignores label -100: loss on masked positions only
@@ -266,7 +184,7 @@ def benchmark(rc, *, steps, repeats, warmup, peak_size, compare_hf) -> dict:
   import jax
 
   tokens_per_step = rc.train.global_batch_size * rc.data.seq_len
-  ours = JaxTrainer(rc)
+  ours = bench_step.JaxTrainer(rc)
   hf = HfTrainer(rc) if compare_hf else None
   ours.run(warmup)
   if hf is not None:
@@ -336,7 +254,7 @@ def main(argv):
   steps, repeats, warmup, peak_size = FLAGS.steps, FLAGS.repeats, FLAGS.warmup, FLAGS.peak_size
   if FLAGS.smoke:
     _apply(config, SMOKE)
-    steps, repeats, warmup, peak_size = 2, 2, 1, 128
+    steps, repeats, warmup, peak_size = 2, 2, 1, 256
   if FLAGS.compare_hf and (missing := _hf_missing()):
     print(f"throughput.py: error: {missing}", file=sys.stderr)
     sys.exit(1)
@@ -346,7 +264,7 @@ def main(argv):
   from roformer import config_lib
 
   try:
-    rc = _run_config(config)
+    rc = bench_step.run_config(config)
   except config_lib.ConfigError as e:
     print(f"throughput.py: error: {e}", file=sys.stderr)
     sys.exit(1)

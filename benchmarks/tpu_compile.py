@@ -14,11 +14,10 @@ Every --config.* override train.py takes works here. The vocabulary size is data
 trained tokenizer's size) or 261 for the bytes tokenizer, so no corpus is read.
 """
 
-import functools
 import os
 import sys
-import time
 
+import bench_step
 from absl import app, flags
 from ml_collections import config_flags
 
@@ -47,11 +46,6 @@ HBM_PER_CHIP = {
   "TPU v5": 95 * GIB,
   "TPU v6 lite": 32 * GIB,
 }
-BYTES_VOCAB = 261
-
-
-class DoesNotFitError(Exception):
-  """The TPU compiler found that the step needs more memory than the chip has."""
 
 
 def topology_devices(topology: str, chip_config: str):
@@ -70,82 +64,20 @@ def topology_devices(topology: str, chip_config: str):
     ) from e
 
 
-def compile_train_step(rc, devices) -> dict:
-  """Lowers and compiles train_lib's train step for `devices`; returns memory and timing."""
-  import jax
-  import jax.numpy as jnp
-
-  from roformer import sharding, train_lib
-
-  mesh = sharding.make_mesh(rc.mesh, devices=devices)
-  rules = sharding.axis_rules(rc.mesh)
-  tx = train_lib.make_optimizer(rc.optim, rc.train.num_train_steps)
-  model_def, model_abs, opt_def, opt_abs = train_lib.abstract_train_state(rc, tx, mesh, rules)
-  model_sh, opt_sh = sharding.shardings_of(model_abs), sharding.shardings_of(opt_abs)
-  batch_sh, repl = sharding.batch_sharding(mesh, rules), sharding.replicated(mesh)
-  B, L = rc.train.global_batch_size, rc.data.seq_len
-  ways = sharding.batch_axis_size(mesh, rules)
-  if (B // rc.optim.grad_accum_steps) % ways:
-    raise ValueError(
-      f"train.global_batch_size / optim.grad_accum_steps = {B // rc.optim.grad_accum_steps} "
-      f"must be divisible by the {ways} ways the batch is split over the mesh ({dict(mesh.shape)})"
-    )
-  batch = {
-    name: jax.ShapeDtypeStruct(
-      (B, L), jnp.float32 if name == "weights" else jnp.int32, sharding=batch_sh
-    )
-    for name in ("inputs", "targets", "positions", "segment_ids", "weights")
-  }
-  step_fn = jax.jit(
-    functools.partial(
-      train_lib.train_step, model_def=model_def, opt_def=opt_def, **train_lib.train_step_options(rc)
-    ),
-    in_shardings=(model_sh, opt_sh, batch_sh, repl),
-    out_shardings=(model_sh, opt_sh, repl),
-    donate_argnums=(0, 1),
-  )
-  step = jax.ShapeDtypeStruct((), jnp.int32, sharding=repl)
-  start = time.perf_counter()
-  with jax.set_mesh(mesh):
-    lowered = step_fn.lower(model_abs, opt_abs, batch, step)
-    try:
-      compiled = lowered.compile()
-    except jax.errors.JaxRuntimeError as e:  # the TPU compiler refuses programs past the HBM
-      if "RESOURCE_EXHAUSTED" not in str(e):
-        raise
-      raise DoesNotFitError(str(e).splitlines()[0]) from e
-  seconds = time.perf_counter() - start
-  memory = compiled.memory_analysis()
-  argument = memory.argument_size_in_bytes
-  temp = memory.temp_size_in_bytes
-  output = memory.output_size_in_bytes - memory.alias_size_in_bytes  # donated outputs reuse
-  num_params = sum(x.size for x in jax.tree.leaves(model_abs))
-  return {
-    "compile_seconds": seconds,
-    "mesh": dict(mesh.shape),
-    "num_params": int(num_params),
-    "argument_bytes": int(argument),
-    "temp_bytes": int(temp),
-    "output_bytes": int(output),
-    "total_bytes": int(argument + temp + output),
-  }
-
-
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   from roformer import config_lib
 
   config = FLAGS.config
-  vocab = BYTES_VOCAB if config.data.tokenizer == "bytes" else config.data.vocab_size
   try:
-    rc = config_lib.run_config_from_dict(config, vocab_size=vocab)
+    rc = bench_step.run_config(config)
     devices = topology_devices(FLAGS.topology, FLAGS.chip_config)
-    result = compile_train_step(rc, devices)
+    result = bench_step.compile_train_step(rc, devices)
   except (config_lib.ConfigError, RuntimeError, ValueError) as e:
     print(f"tpu_compile.py: error: {e}", file=sys.stderr)
     sys.exit(1)
-  except DoesNotFitError as e:
+  except bench_step.DoesNotFitError as e:
     print(
       f"tpu_compile.py: error: the train step does not fit the device memory: {e}", file=sys.stderr
     )
