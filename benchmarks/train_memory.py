@@ -27,6 +27,7 @@ flags.DEFINE_list("lengths", ["1024", "4096"], "attention: sequence lengths.")
 flags.DEFINE_integer("batch", 1, "Sequences per step.")
 flags.DEFINE_integer("steps", 2, "attention: timed steps per kernel (median).")
 flags.DEFINE_integer("remat_length", 8192, "remat: sequence length.")
+flags.DEFINE_string("remat_attention_impl", "auto", "remat: model.attention_impl.")
 flags.DEFINE_integer("deep_layers", 24, "compile: number of layers.")
 FLAGS = flags.FLAGS
 MIB = 1024**2
@@ -85,10 +86,17 @@ def remat_table() -> str:
 
   rows = []
   for remat in ("none", "block", "full"):
-    rc = _run_config(**{"data.seq_len": FLAGS.remat_length, "model.remat": remat})
+    rc = _run_config(
+      **{
+        "data.seq_len": FLAGS.remat_length,
+        "model.remat": remat,
+        "model.attention_impl": FLAGS.remat_attention_impl,
+      }
+    )
     memory = bench_step.compile_train_step(rc, jax.devices())
-    rows.append([FLAGS.remat_length, remat, f"{memory['temp_bytes'] / MIB:,.0f}"])
-  return _table(["length", "remat", "XLA temporaries (MiB)"], rows)
+    temp = f"{memory['temp_bytes'] / MIB:,.0f}"
+    rows.append([FLAGS.remat_length, FLAGS.remat_attention_impl, remat, temp])
+  return _table(["length", "attention", "remat", "XLA temporaries (MiB)"], rows)
 
 
 def compile_table() -> str:
