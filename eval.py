@@ -95,6 +95,9 @@ def main(argv):
       return
     if FLAGS.workdir is None:
       raise ValueError("give --workdir=DIR (or --compare=DIR1,DIR2 --plot=FILE.png)")
+    from roformer import cpu_flags
+
+    cpu_flags.set_default_cpu_flags()  # before JAX starts
     import jax
 
     from roformer import eval_run

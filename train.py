@@ -76,6 +76,9 @@ def _parse_flags(argv):
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  from roformer import cpu_flags
+
+  cpu_flags.set_default_cpu_flags()  # before JAX starts
   import jax
 
   if FLAGS.coordinator_address:

@@ -74,6 +74,14 @@ def get_config() -> ml_collections.ConfigDict:
   # table likewise), "sqrt_d" = N(0, 1/d) multiplied by sqrt(d) (Vaswani et al., fairseq; a
   # learned position table N(0, 1/d) unscaled). Comparisons set one value for every encoding.
   model.embed_scale = "auto"
+  # Stack the blocks' parameters ([num_layers, ...]) and run them with lax.scan: one block to
+  # compile instead of num_layers (deep models compile faster). Checkpoints of the two layouts
+  # differ, and Hugging Face imports need False.
+  model.scan_layers = False
+  # Rematerialisation of each block in the backward pass: "none" (store every activation),
+  # "block" (store only matmul outputs; recompute scores, softmax, norms, activations) or "full"
+  # (store only the block's input).
+  model.remat = "none"
 
   # ---- posenc: the positional encoding (one field picks it; every kind's fields are here) ----
   config.posenc = posenc = ml_collections.ConfigDict()

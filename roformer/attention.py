@@ -146,24 +146,27 @@ def dense_attention(
   B, L, H, K = q_BLHK.shape
   G = k_BSGK.shape[2]
   bias_BHLS = None if bias_fn is None else bias_fn(qpos_BL, kpos_BS)
-  mask_BLS = attention_mask(
-    qpos_BL, kpos_BS, qseg_BL, kseg_BS, causal=causal, window=window, window_kind=window_kind
-  )
+  # Bidirectional attention over one segment needs no mask at all.
+  masked = qseg_BL is not None or causal or window > 0
+  mask_BLS = None
+  if masked:
+    mask_BLS = attention_mask(
+      qpos_BL, kpos_BS, qseg_BL, kseg_BS, causal=causal, window=window, window_kind=window_kind
+    )
   if content_bias_fn is not None:
     content_BHLS = content_bias_fn(q_BLHK, k_BSGK, mask_BLS)
     bias_BHLS = content_BHLS if bias_BHLS is None else bias_BHLS + content_BHLS
   s_BGRLS = _scores(_split_heads(q_BLHK, G), k_BSGK, bias_BHLS)
-  mask_B11LS = mask_BLS[:, None, None]
-  # fp32 softmax for stability, written out so that fully masked rows give 0 (as in `chunked`).
-  s_BGRLS = jnp.where(mask_B11LS, s_BGRLS, _NEG)
-  p_BGRLS = jnp.exp(s_BGRLS - s_BGRLS.max(axis=-1, keepdims=True))
-  p_BGRLS = jnp.where(mask_B11LS, p_BGRLS, 0.0)
-  denom_BGRL1 = p_BGRLS.sum(axis=-1, keepdims=True)
-  p_BGRLS = p_BGRLS / jnp.where(denom_BGRL1 == 0.0, 1.0, denom_BGRL1)
-  p_BGRLS = dropout(p_BGRLS, dropout_rate, dropout_key)
+  if masked:
+    s_BGRLS = jnp.where(mask_BLS[:, None, None], s_BGRLS, _NEG)
+  # fp32 softmax for stability. jax.nn.softmax's custom JVP keeps the backward pass to one
+  # reduction; a masked key gets exp(_NEG - max) = 0 exactly unless its whole row is masked.
+  p_BGRLS = dropout(jax.nn.softmax(s_BGRLS, axis=-1), dropout_rate, dropout_key)
   o_BLGRK = jnp.einsum(
     "bgrls,bsgk->blgrk", p_BGRLS.astype(v_BSGK.dtype), v_BSGK, preferred_element_type=jnp.float32
   )
+  if masked:  # a query with no allowed key gets zeros (as in `chunked`), not the mean of v
+    o_BLGRK = jnp.where(mask_BLS.any(axis=-1)[:, :, None, None, None], o_BLGRK, 0.0)
   return o_BLGRK.reshape(B, L, H, K).astype(q_BLHK.dtype)
 
 

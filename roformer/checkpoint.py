@@ -259,6 +259,12 @@ def load_init_state(init_from: str, abstract_model: Any) -> Any:
   if _is_hf_dir(path):
     from roformer import hf
 
+    if "layers" in abstract_model and 0 not in abstract_model["layers"]:  # stacked blocks
+      raise ConfigError(
+        f"train.init_from={init_from}: Hugging Face checkpoints load only into "
+        "model.scan_layers=False"
+      )
+
     loaded = hf.load_hf_roformer(str(path))
     state = _place_like(nnx.state(loaded.model), abstract_model, init_from)
     logging.info("Initialised parameters from the Hugging Face RoFormer in %s.", path)

@@ -20,6 +20,13 @@ ACTIVATIONS = ("gelu", "swiglu")
 NORMS = ("layernorm", "rmsnorm")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 EMBED_SCALES = ("auto", "none", "sqrt_d")
+# What the backward pass recomputes per block instead of storing: nothing; everything but the
+# outputs of its matmuls (scores, softmax, norms, activations); everything but the block's input.
+REMAT_POLICIES = {
+  "none": None,
+  "block": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+  "full": jax.checkpoint_policies.nothing_saveable,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +61,8 @@ class ModelConfig:
   # Token-embedding scale: "auto" (the encoding's paper), "none" (BERT: N(0, 0.02^2), unscaled) or
   # "sqrt_d" (Vaswani / fairseq: N(0, 1/E), multiplied by sqrt(E)).
   embed_scale: str = "auto"
+  scan_layers: bool = False  # one block with stacked [num_layers, ...] parameters, run by lax.scan
+  remat: str = "none"  # none | block | full (see REMAT_POLICIES)
   posenc: PosEncConfig = PosEncConfig()
 
 
@@ -103,6 +112,7 @@ def validate_model(cfg: ModelConfig, *, seq_len: int = 0) -> None:
   _check_choice("model.attention_impl", cfg.attention_impl, KERNELS)
   _check_choice("model.embed_scale", cfg.embed_scale, EMBED_SCALES)
   _check_choice("model.attention_window_kind", cfg.attention_window_kind, WINDOW_KINDS)
+  _check_choice("model.remat", cfg.remat, REMAT_POLICIES)
   for name in ("vocab_size", "num_layers", "emb_dim", "num_heads", "mlp_dim", "attention_block"):
     if getattr(cfg, name) < 1:
       raise ValueError(f"model.{name}={getattr(cfg, name)} must be a positive integer")
@@ -165,9 +175,7 @@ class Encoder(nnx.Module):
     self.embed_project = (
       _linear(cfg, E, cfg.emb_dim, (None, "embed"), rngs) if E != cfg.emb_dim else None
     )
-    self.layers = nnx.List(
-      [Block(cfg, causal=False, pre_norm=cfg.pre_norm, rngs=rngs) for _ in range(cfg.num_layers)]
-    )
+    self.layers = _make_layers(cfg, causal=False, pre_norm=cfg.pre_norm, rngs=rngs)
     self.final_norm = _norm(cfg, cfg.emb_dim, rngs) if cfg.pre_norm else None
     self.head_dense = _linear(cfg, cfg.emb_dim, E, ("embed", None), rngs)
     self.head_norm = _norm(cfg, E, rngs)
@@ -218,7 +226,7 @@ class Encoder(nnx.Module):
     x_BLE = _seqwise(embed_tail, x_BLE, block=cfg.attention_block, key=_fold(key, 0))
     # E -> D has no intermediate wider than its [B, L, D] output, so it needs no blocks.
     x_BLD = x_BLE if self.embed_project is None else self.embed_project(x_BLE)
-    x_BLD = _run_layers(self.layers, x_BLD, positions_BL, self.posenc, segment_ids_BL, key)
+    x_BLD = _run_layers(self.layers, cfg, x_BLD, positions_BL, self.posenc, segment_ids_BL, key)
     if self.final_norm is not None:
       x_BLD = _seqwise(lambda _, x: self.final_norm(x), x_BLD, block=cfg.attention_block)
     return x_BLD
@@ -241,9 +249,7 @@ class Decoder(nnx.Module):
     self.cfg = cfg
     self.embed, self.embed_multiplier = _token_embed(cfg, cfg.emb_dim, rngs)
     self.posenc = _posenc(cfg, cfg.emb_dim, causal=True, rngs=rngs)
-    self.layers = nnx.List(
-      [Block(cfg, causal=True, pre_norm=True, rngs=rngs) for _ in range(cfg.num_layers)]
-    )
+    self.layers = _make_layers(cfg, causal=True, pre_norm=True, rngs=rngs)
     self.final_norm = _norm(cfg, cfg.emb_dim, rngs)
     self.lm_head = (
       None
@@ -272,7 +278,7 @@ class Decoder(nnx.Module):
     x_BLD = self.embed(tokens_BL) * self.embed_multiplier
     x_BLD = self.posenc.embed(x_BLD, positions_BL).astype(DTYPES[cfg.dtype])
     x_BLD = _dropout(x_BLD, cfg.dropout_rate, _fold(key, 0))
-    x_BLD = _run_layers(self.layers, x_BLD, positions_BL, self.posenc, segment_ids_BL, key)
+    x_BLD = _run_layers(self.layers, cfg, x_BLD, positions_BL, self.posenc, segment_ids_BL, key)
     return _seqwise(lambda _, x: self.final_norm(x), x_BLD, block=cfg.attention_block)
 
   def logits(self, h_BLD):
@@ -285,11 +291,52 @@ class Decoder(nnx.Module):
 MODELS = {"encoder": Encoder, "decoder": Decoder}
 
 
-def _run_layers(layers, x_BLD, positions_BL, posenc, segment_ids_BL, key):
-  for i, layer in enumerate(layers):
-    x_BLD = layer(
+def _make_layers(cfg: ModelConfig, *, causal: bool, pre_norm: bool, rngs: nnx.Rngs):
+  """num_layers Blocks: a list, or with `scan_layers` one Block whose parameters are stacked.
+
+  Stacked parameters get a leading [num_layers] axis that is never sharded (logical name None).
+  """
+  if not cfg.scan_layers:
+    return nnx.List(
+      [Block(cfg, causal=causal, pre_norm=pre_norm, rngs=rngs) for _ in range(cfg.num_layers)]
+    )
+
+  @nnx.split_rngs(splits=cfg.num_layers)
+  @nnx.vmap(
+    in_axes=(0,),
+    out_axes=0,
+    axis_size=cfg.num_layers,
+    transform_metadata={nnx.PARTITION_NAME: None},
+  )
+  def stacked(rngs):
+    return Block(cfg, causal=causal, pre_norm=pre_norm, rngs=rngs)
+
+  return stacked(rngs)
+
+
+def _run_layers(layers, cfg, x_BLD, positions_BL, posenc, segment_ids_BL, key):
+  """Runs the blocks in order (a Python loop, or lax.scan over stacked ones), with remat."""
+  policy = REMAT_POLICIES[cfg.remat]
+
+  def run(graphdef, state, x_BLD, i):
+    layer = nnx.merge(graphdef, state)
+    return layer(
       x_BLD, positions_BL, posenc, segment_ids_BL=segment_ids_BL, dropout_key=_fold(key, i + 1)
     )
+
+  if policy is not None:
+    run = jax.checkpoint(run, policy=policy, static_argnums=(0,))
+  if not cfg.scan_layers:
+    for i, layer in enumerate(layers):
+      x_BLD = run(*nnx.split(layer), x_BLD, i)
+    return x_BLD
+  graphdef, state = nnx.split(layers)
+
+  def body(x_BLD, state_and_index):
+    state, i = state_and_index
+    return run(graphdef, state, x_BLD, i), None
+
+  x_BLD, _ = jax.lax.scan(body, x_BLD, (state, jnp.arange(cfg.num_layers)))
   return x_BLD
 
 

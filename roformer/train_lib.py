@@ -18,7 +18,7 @@ from absl import logging
 from etils import epath
 from flax import nnx
 
-from roformer import checkpoint, config_lib, metrics_log, sharding, train_loop
+from roformer import checkpoint, config_lib, metrics_log, prefetch, sharding, train_loop
 from roformer import data as data_lib
 from roformer import model as model_lib
 from roformer import workdir as workdir_lib
@@ -90,33 +90,82 @@ def make_optimizer(
 # ---- Step functions ----
 
 
-def loss_sums(model, batch: dict, *, deterministic: bool, rngs: nnx.Rngs | None) -> dict:
+def loss_sums(
+  model,
+  batch: dict,
+  *,
+  deterministic: bool,
+  rngs: nnx.Rngs | None,
+  max_predictions: int = 0,
+) -> dict:
   """Weighted sums of the cross-entropy and of correct predictions over one batch.
+
+  With `max_predictions` (encoders), the output layer runs only at the first `max_predictions`
+  positions of nonzero weight in each row, gathered as BERT's pre-training does: the masked
+  positions, about 15% of the [B, L, V] matmul. A batch with a row of more weighted positions
+  takes the all-positions path instead (lax.cond), so the sums never depend on the capacity.
+  A prediction counts as correct when the target's logit is the row maximum.
 
   Args:
     model: Encoder or Decoder.
-    batch: "inputs", "targets", "positions", "segment_ids" int32 [B, L]; "weights" float32 [B, L]
-      (decoder: 1 on real next-token targets; encoder: 1 on masked positions).
+    batch: "inputs", "targets", "positions" int32 [B, L], optionally "segment_ids" int32 [B, L]
+      (absent = one document per row); "weights" float32 [B, L] (decoder: 1 on real next-token
+      targets; encoder: 1 on masked positions).
+    max_predictions: per-row capacity of scored positions; 0 = score every position.
 
   Returns:
     {"loss_sum", "correct_sum", "weight_sum"} float32 scalars (divided once, on host).
   """
-  logits_BLV = model(
+  h_BLD = model.hidden(
     batch["inputs"],
     batch["positions"],
-    segment_ids_BL=batch["segment_ids"],
+    segment_ids_BL=batch.get("segment_ids"),
     deterministic=deterministic,
     rngs=rngs,
-  ).astype(jnp.float32)
+  )
   targets_BL = batch["targets"]
   weights_BL = batch["weights"].astype(jnp.float32)
-  nll_BL = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, targets_BL)
-  correct_BL = (jnp.argmax(logits_BLV, axis=-1) == targets_BL).astype(jnp.float32)
-  return {
-    "loss_sum": jnp.sum(nll_BL * weights_BL),
-    "correct_sum": jnp.sum(correct_BL * weights_BL),
-    "weight_sum": jnp.sum(weights_BL),
-  }
+  L = targets_BL.shape[1]
+
+  def head_sums(h_BCD, targets_BC, weights_BC):
+    logits_BCV = model.logits(h_BCD).astype(jnp.float32)
+    target_logit_BC = jnp.take_along_axis(logits_BCV, targets_BC[..., None], axis=-1)[..., 0]
+    nll_BC = jax.nn.logsumexp(logits_BCV, axis=-1) - target_logit_BC
+    # A max reduction instead of an argmax, which XLA:CPU runs on one thread.
+    correct_BC = (target_logit_BC >= logits_BCV.max(axis=-1)).astype(jnp.float32)
+    return jnp.sum(nll_BC * weights_BC), jnp.sum(correct_BC * weights_BC)
+
+  if 0 < max_predictions < L:
+    count_B = jnp.sum(weights_BL != 0, axis=1)
+
+    def gathered(h_BLD, targets_BL, weights_BL):
+      C = max_predictions
+      index_BC = jax.vmap(lambda w_L: jnp.nonzero(w_L != 0, size=C, fill_value=0)[0])(weights_BL)
+      h_BCD = jnp.take_along_axis(h_BLD, index_BC[..., None], axis=1)
+      t_BC, w_BC = (jnp.take_along_axis(x, index_BC, axis=1) for x in (targets_BL, weights_BL))
+      # Slots past a row's count repeat position 0: weight 0.
+      return head_sums(h_BCD, t_BC, jnp.where(jnp.arange(C)[None, :] < count_B[:, None], w_BC, 0.0))
+
+    loss_sum, correct_sum = jax.lax.cond(
+      jnp.all(count_B <= max_predictions), gathered, head_sums, h_BLD, targets_BL, weights_BL
+    )
+  else:
+    loss_sum, correct_sum = head_sums(h_BLD, targets_BL, weights_BL)
+  return {"loss_sum": loss_sum, "correct_sum": correct_sum, "weight_sum": jnp.sum(weights_BL)}
+
+
+def train_step_options(run_config: RunConfig) -> dict:
+  """The static keyword arguments of `train_step` for a run (train.py and benchmarks share them)."""
+  optim, train, data = run_config.optim, run_config.train, run_config.data
+  encoder = run_config.model.kind == "encoder"
+  return dict(
+    schedule=make_schedule(optim, train.num_train_steps),
+    seed=train.seed,
+    grad_accum_steps=optim.grad_accum_steps,
+    randomize_max=run_config.model.posenc.randomize_max,
+    packed=data.pack,
+    max_predictions=data_lib.max_predictions(data.seq_len, data.mlm_probability) if encoder else 0,
+  )
 
 
 def train_step(
@@ -131,8 +180,13 @@ def train_step(
   seed: int,
   grad_accum_steps: int,
   randomize_max: int = 0,
+  packed: bool = True,
+  max_predictions: int = 0,
 ):
   """One optimizer step on a global batch; returns (model_state, opt_state, metrics).
+
+  Without `packed`, every row is one document and the segment ids are dropped (no segment mask
+  in attention); `max_predictions` is `loss_sums`'.
 
   The loss is the sum of weighted token losses divided by the batch's total weight, so gradient
   accumulation over microbatches gives the same update as one big batch. Dropout keys are
@@ -151,7 +205,15 @@ def train_step(
   total_weight = jnp.maximum(jnp.sum(batch["weights"].astype(jnp.float32)), 1.0)
 
   def loss_fn(model, micro, key):
-    sums = loss_sums(model, micro, deterministic=False, rngs=nnx.Rngs(dropout=key))
+    if not packed:
+      micro = {k: v for k, v in micro.items() if k != "segment_ids"}
+    sums = loss_sums(
+      model,
+      micro,
+      deterministic=False,
+      rngs=nnx.Rngs(dropout=key),
+      max_predictions=max_predictions,
+    )
     return sums["loss_sum"] / total_weight, sums
 
   grad_fn = nnx.grad(loss_fn, has_aux=True)
@@ -419,13 +481,7 @@ def _jit_train_step(loop: train_loop.Loop) -> Any:
   repl = sharding.replicated(mesh)
   return jax.jit(
     functools.partial(
-      train_step,
-      model_def=loop.model_def,
-      opt_def=loop.opt_def,
-      schedule=make_schedule(rc.optim, rc.train.num_train_steps),
-      seed=rc.train.seed,
-      grad_accum_steps=rc.optim.grad_accum_steps,
-      randomize_max=rc.model.posenc.randomize_max,
+      train_step, model_def=loop.model_def, opt_def=loop.opt_def, **train_step_options(rc)
     ),
     in_shardings=(model_sh, opt_sh, sharding.batch_sharding(mesh, rules), repl),
     out_shardings=(model_sh, opt_sh, repl),
@@ -520,10 +576,14 @@ def _train(loop: train_loop.Loop) -> None:
   """Steps from loop.start_step to train.num_train_steps, or until a signal asks to stop."""
   setup, train = loop.setup, loop.config.train
   step_fn, compiled, pending = _jit_train_step(loop), None, None
-  with checkpoint.PreemptionWatcher() as watcher:
-    for step in range(loop.start_step, train.num_train_steps):
-      local = setup.batches.batch(step)
-      batch = sharding.put_batch(local, setup.mesh, setup.rules, train.global_batch_size)
+
+  def load(step: int):  # runs on the prefetch thread, ahead of the step that uses it
+    local = setup.batches.batch(step)
+    return sharding.put_batch(local, setup.mesh, setup.rules, train.global_batch_size)
+
+  steps = range(loop.start_step, train.num_train_steps)
+  with checkpoint.PreemptionWatcher() as watcher, prefetch.Prefetcher(load, steps) as prefetched:
+    for step, batch in prefetched:
       step_array = jnp.asarray(step, jnp.int32)
       if compiled is None:
         compiled = _compile(loop, step_fn, batch, step_array)

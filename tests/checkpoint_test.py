@@ -1,7 +1,9 @@
 """Tests of checkpoint saving, restoring (sharded targets), restore_model and init_from paths."""
 
+import dataclasses
 import os
 import signal
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -168,3 +170,36 @@ def test_init_from_a_run_loads_its_parameters(tmp_path, train_state, suffix):
   state = checkpoint.load_init_state(str(tmp_path / suffix), abstract)
   for a, b in zip(_leaves(model_state), _leaves(state), strict=True):
     np.testing.assert_array_equal(a, b)
+
+
+def _scan_train_state():
+  rc = _tiny_run_config()
+  model = dataclasses.replace(rc.model, num_layers=2, scan_layers=True, remat="full")
+  rc = dataclasses.replace(rc, model=model)
+  mesh = sharding.make_mesh(rc.mesh)
+  tx = train_lib.make_optimizer(rc.optim, 10)
+  return rc, mesh, tx, train_lib.create_train_state(rc, tx, mesh, rc.mesh.rules)
+
+
+def test_scan_layers_checkpoint_round_trip_keeps_stacked_parameters(tmp_path):
+  rc, mesh, tx, (_, model_state, _, opt_state) = _scan_train_state()
+  stacked = nnx.state(model_state, nnx.Param)["layers"]["mlp"]["up"]["kernel"]
+  assert stacked.shape == (2, 16, 32)
+  manager = checkpoint.make_manager(tmp_path, keep=1)
+  checkpoint.save(manager, 3, model_state, opt_state, {"step": 3})
+  manager.wait_until_finished()
+  _, model_abs, _, opt_abs = train_lib.abstract_train_state(rc, tx, mesh, rc.mesh.rules)
+  model_back, opt_back, _ = checkpoint.restore(manager, 3, model_abs, opt_abs)
+  manager.close()
+  for a, b in zip(
+    _leaves(model_state) + _leaves(opt_state), _leaves(model_back) + _leaves(opt_back), strict=True
+  ):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_init_from_hugging_face_into_scanned_layers_is_one_clear_error():
+  rc, mesh, tx, (_, model_state, _, _) = _scan_train_state()
+  fixture = Path(__file__).parent / "fixtures" / "hf_roformer_tiny"
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), model_state)
+  with pytest.raises(config_lib.ConfigError, match="scan_layers=False"):
+    checkpoint.load_init_state(str(fixture), abstract)

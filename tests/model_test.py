@@ -458,3 +458,73 @@ def test_blockwise_hidden_memory_grows_by_a_few_sequence_buffers_whatever_the_de
   # Before the in-place blocks this was about 6 per layer (about 10 here); it is about 3 now.
   buffers_per_length = (temp_bytes(4 * length) - temp_bytes(length)) / (3 * length * emb_dim * 4)
   assert buffers_per_length < 5
+
+
+# ---- Scanned layers, rematerialisation, bfloat16 compute ----
+
+
+def _stacked_like_unrolled(unrolled, scan_cfg):
+  """A scan_layers model holding `unrolled`'s parameters, its blocks stacked on a leading axis."""
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: make_model(scan_cfg, rngs=nnx.Rngs(0))))
+  values = nnx.state(unrolled).to_pure_dict()
+  blocks = [values["layers"][i] for i in range(scan_cfg.num_layers)]
+  values["layers"] = jax.tree.map(lambda *xs: jnp.stack(xs), *blocks)
+  nnx.replace_by_pure_dict(state, values)
+  return nnx.merge(graphdef, state)
+
+
+@pytest.mark.parametrize("kind, remat", [("encoder", "none"), ("decoder", "full")])
+def test_scan_layers_matches_unrolled_blocks_with_dropout(kind, remat):
+  cfg = _cfg(kind, num_layers=3, dropout_rate=0.2, attention_impl="dense")
+  unrolled = _model(cfg)
+  scanned = _stacked_like_unrolled(
+    unrolled, dataclasses.replace(cfg, scan_layers=True, remat=remat)
+  )
+  tokens, positions = _tokens(2, 12), _arange(2, 12)
+
+  def logits(model):
+    return model(tokens, positions, deterministic=False, rngs=nnx.Rngs(dropout=3))
+
+  def loss(model):
+    return jnp.sum(jnp.sin(logits(model)))
+
+  expected = logits(unrolled)
+  atol = 1e-5 * float(np.abs(expected).max())
+  np.testing.assert_allclose(logits(scanned), expected, rtol=1e-5, atol=atol)
+  grads_u, grads_s = nnx.grad(loss)(unrolled), nnx.grad(loss)(scanned)
+  stacked_u = _stacked_like_unrolled(nnx.merge(nnx.graphdef(unrolled), grads_u), scanned.cfg)
+  for a, b in zip(jax.tree.leaves(grads_s), jax.tree.leaves(nnx.state(stacked_u)), strict=True):
+    # float32 sums in another order: errors relative to the leaf's largest entry.
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * float(np.abs(b).max()))
+
+
+@pytest.mark.parametrize("remat", ["block", "full"])
+def test_remat_leaves_gradients_unchanged(remat):
+  cfg = _cfg("decoder", attention_impl="dense")
+  model = _model(cfg)
+  rematted = nnx.merge(
+    nnx.graphdef(_model(dataclasses.replace(cfg, remat=remat))), nnx.state(model)
+  )
+  tokens, positions = _tokens(2, 12), _arange(2, 12)
+  loss = lambda m: jnp.sum(jnp.sin(m(tokens, positions)))  # noqa: E731
+  expected, got = nnx.grad(loss)(model), nnx.grad(loss)(rematted)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_bfloat16_compute_keeps_float32_parameters_and_gradients():
+  cfg = _cfg("encoder", attention_impl="dense")
+  model32 = _model(cfg)
+  model16 = nnx.merge(
+    nnx.graphdef(_model(dataclasses.replace(cfg, dtype="bfloat16"))), nnx.state(model32)
+  )
+  tokens, positions = _tokens(2, 12), _arange(2, 12)
+  assert model16.hidden(tokens, positions).dtype == jnp.bfloat16
+  loss = lambda m: jnp.mean(jax.nn.log_softmax(m(tokens, positions))[..., 0])  # noqa: E731
+  grads = nnx.grad(loss)(model16)
+  assert {x.dtype for x in jax.tree.leaves(nnx.state(model16, nnx.Param))} == {
+    jnp.dtype(jnp.float32)
+  }
+  assert {x.dtype for x in jax.tree.leaves(grads)} == {jnp.dtype(jnp.float32)}
+  # bfloat16 keeps ~3 significant digits; float32 softmax and norms keep the loss close.
+  np.testing.assert_allclose(loss(model16), loss(model32), rtol=2e-2)

@@ -150,6 +150,35 @@ def test_gradient_accumulation_matches_one_big_batch():
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("capacity", [6, 3], ids=["gathered", "row_over_capacity"])
+def test_mlm_head_at_masked_positions_matches_every_position(capacity):
+  cfg = ModelConfig(
+    kind="encoder", num_layers=1, emb_dim=16, num_heads=2, mlp_dim=32, attention_impl="dense"
+  )
+  model = make_model(cfg, rngs=nnx.Rngs(0))
+  batch = _batch(np.random.default_rng(1), batch_size=4, length=16)
+  # At most 4 masked positions per row (below 6, above 3), weights of 1 and 2.
+  weights = np.zeros((4, 16), np.float32)
+  for row, cols in enumerate([[1, 5], [0, 7, 9, 15], [], [3, 4, 8]]):
+    weights[row, cols] = 1.0 + (np.arange(len(cols)) % 2)
+  batch["weights"] = weights
+
+  def loss(model, max_predictions):
+    sums = train_lib.loss_sums(
+      model, batch, deterministic=True, rngs=None, max_predictions=max_predictions
+    )
+    return sums["loss_sum"], sums
+
+  grad_fn = jax.jit(nnx.grad(loss, has_aux=True), static_argnums=1)
+  grads_all, sums_all = grad_fn(model, 0)
+  grads_some, sums_some = grad_fn(model, capacity)
+  assert float(sums_all["loss_sum"]) > 0.0
+  for key in ("loss_sum", "correct_sum", "weight_sum"):
+    np.testing.assert_allclose(sums_some[key], sums_all[key], rtol=1e-5, err_msg=key)
+  for a, b in zip(jax.tree.leaves(grads_some), jax.tree.leaves(grads_all), strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.slow
 def test_init_from_hf_roformer_loads_its_parameters():
   from roformer import hf

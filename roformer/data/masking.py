@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from roformer.data.errors import DataError
@@ -45,3 +47,16 @@ def mlm_mask(
   use_random_NL = (kind_u_NL >= MASK_FRACTION) & (kind_u_NL < MASK_FRACTION + RANDOM_FRACTION)
   inputs_NL = np.where(selected_NL & use_random_NL, random_NL, inputs_NL)
   return inputs_NL.astype(np.int32), selected_NL.astype(np.float32)
+
+
+def max_predictions(seq_len: int, mlm_probability: float) -> int:
+  """Static per-row capacity for the positions `mlm_mask` selects (BERT's max_predictions_per_seq).
+
+  The number selected in a row of L tokens is at most Binomial(L, p): the capacity is its mean
+  plus 3 standard deviations, rounded up to a multiple of 8 and at most L. A row with more
+  selected positions is rare (about 1 in 700 rows); the train step then scores every position, so
+  the loss never depends on the capacity.
+  """
+  mean = seq_len * mlm_probability
+  spread = 3.0 * math.sqrt(seq_len * mlm_probability * (1.0 - mlm_probability))
+  return min(seq_len, 8 * math.ceil((mean + spread) / 8))

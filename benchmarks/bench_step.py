@@ -1,0 +1,153 @@
+"""The train step as train.py builds it, for the benchmarks: config, live runs, AOT compiles."""
+
+import functools
+import time
+
+# The tokenizer's vocabulary size, without training one: bytes has 261 ids.
+BYTES_VOCAB = 261
+
+
+def run_config(config):
+  """The frozen RunConfig of a ConfigDict, with the vocabulary size its tokenizer would have."""
+  from roformer import config_lib
+
+  vocab = BYTES_VOCAB if config.data.tokenizer == "bytes" else config.data.vocab_size
+  return config_lib.run_config_from_dict(config, vocab_size=vocab)
+
+
+def synthetic_batch(rc, rng):
+  """A global batch shaped like TrainBatches' (random tokens; BERT-style weights for encoders)."""
+  import numpy as np
+
+  B, L, V = rc.train.global_batch_size, rc.data.seq_len, rc.model.vocab_size
+  tokens_BL = rng.integers(0, V, (B, L), dtype=np.int32)
+  if rc.model.kind == "encoder":
+    weights_BL = (rng.random((B, L)) < rc.data.mlm_probability).astype(np.float32)
+  else:
+    weights_BL = np.ones((B, L), np.float32)
+  return {
+    "inputs": tokens_BL,
+    "targets": np.roll(tokens_BL, -1, axis=1),
+    "positions": np.broadcast_to(np.arange(L, dtype=np.int32), (B, L)).copy(),
+    "segment_ids": np.ones((B, L), np.int32),
+    "weights": weights_BL,
+  }
+
+
+class JaxTrainer:
+  """train_lib's train step on one synthetic batch, jitted as train.py jits it."""
+
+  def __init__(self, rc):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from roformer import sharding, train_lib
+
+    self.rc = rc
+    mesh, rules = sharding.make_mesh(rc.mesh), sharding.axis_rules(rc.mesh)
+    tx = train_lib.make_optimizer(rc.optim, rc.train.num_train_steps)
+    model_def, self.model_state, opt_def, self.opt_state = train_lib.create_train_state(
+      rc, tx, mesh, rules
+    )
+    model_sh = sharding.shardings_of(self.model_state)
+    opt_sh = sharding.shardings_of(self.opt_state)
+    repl = sharding.replicated(mesh)
+    step_fn = jax.jit(
+      functools.partial(
+        train_lib.train_step,
+        model_def=model_def,
+        opt_def=opt_def,
+        **train_lib.train_step_options(rc),
+      ),
+      in_shardings=(model_sh, opt_sh, sharding.batch_sharding(mesh, rules), repl),
+      out_shardings=(model_sh, opt_sh, repl),
+      donate_argnums=(0, 1),
+    )
+    local = synthetic_batch(rc, np.random.default_rng(0))
+    self.batch = sharding.put_batch(local, mesh, rules, rc.train.global_batch_size)
+    self.step = jnp.asarray(0, jnp.int32)
+    start = time.perf_counter()
+    lowered = step_fn.lower(self.model_state, self.opt_state, self.batch, self.step)
+    self.compiled = lowered.compile()
+    self.compile_seconds = time.perf_counter() - start
+    cost = self.compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    self.flops_per_step = float(cost.get("flops", 0.0)) if cost else 0.0
+
+  def run(self, steps: int) -> float:
+    """Runs `steps` steps; returns the seconds they took (device work included)."""
+    import jax
+
+    start = time.perf_counter()
+    for _ in range(steps):
+      self.model_state, self.opt_state, metrics = self.compiled(
+        self.model_state, self.opt_state, self.batch, self.step
+      )
+    jax.block_until_ready((self.model_state, metrics))
+    return time.perf_counter() - start
+
+
+class DoesNotFitError(Exception):
+  """The TPU compiler found that the step needs more memory than the chip has."""
+
+
+def compile_train_step(rc, devices) -> dict:
+  """Lowers and compiles train_lib's train step for `devices`; returns memory and timing."""
+  import jax
+  import jax.numpy as jnp
+
+  from roformer import sharding, train_lib
+
+  mesh = sharding.make_mesh(rc.mesh, devices=devices)
+  rules = sharding.axis_rules(rc.mesh)
+  tx = train_lib.make_optimizer(rc.optim, rc.train.num_train_steps)
+  model_def, model_abs, opt_def, opt_abs = train_lib.abstract_train_state(rc, tx, mesh, rules)
+  model_sh, opt_sh = sharding.shardings_of(model_abs), sharding.shardings_of(opt_abs)
+  batch_sh, repl = sharding.batch_sharding(mesh, rules), sharding.replicated(mesh)
+  B, L = rc.train.global_batch_size, rc.data.seq_len
+  ways = sharding.batch_axis_size(mesh, rules)
+  if (B // rc.optim.grad_accum_steps) % ways:
+    raise ValueError(
+      f"train.global_batch_size / optim.grad_accum_steps = {B // rc.optim.grad_accum_steps} "
+      f"must be divisible by the {ways} ways the batch is split over the mesh ({dict(mesh.shape)})"
+    )
+  batch = {
+    name: jax.ShapeDtypeStruct(
+      (B, L), jnp.float32 if name == "weights" else jnp.int32, sharding=batch_sh
+    )
+    for name in ("inputs", "targets", "positions", "segment_ids", "weights")
+  }
+  step_fn = jax.jit(
+    functools.partial(
+      train_lib.train_step, model_def=model_def, opt_def=opt_def, **train_lib.train_step_options(rc)
+    ),
+    in_shardings=(model_sh, opt_sh, batch_sh, repl),
+    out_shardings=(model_sh, opt_sh, repl),
+    donate_argnums=(0, 1),
+  )
+  step = jax.ShapeDtypeStruct((), jnp.int32, sharding=repl)
+  start = time.perf_counter()
+  with jax.set_mesh(mesh):
+    lowered = step_fn.lower(model_abs, opt_abs, batch, step)
+    try:
+      compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as e:  # the TPU compiler refuses programs past the HBM
+      if "RESOURCE_EXHAUSTED" not in str(e):
+        raise
+      raise DoesNotFitError(str(e).splitlines()[0]) from e
+  seconds = time.perf_counter() - start
+  memory = compiled.memory_analysis()
+  argument = memory.argument_size_in_bytes
+  temp = memory.temp_size_in_bytes
+  output = memory.output_size_in_bytes - memory.alias_size_in_bytes  # donated outputs reuse
+  num_params = sum(x.size for x in jax.tree.leaves(model_abs))
+  return {
+    "compile_seconds": seconds,
+    "mesh": dict(mesh.shape),
+    "num_params": int(num_params),
+    "argument_bytes": int(argument),
+    "temp_bytes": int(temp),
+    "output_bytes": int(output),
+    "total_bytes": int(argument + temp + output),
+  }

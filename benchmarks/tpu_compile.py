@@ -1,0 +1,122 @@
+"""Ahead-of-time compile of the real train step for a Cloud TPU topology, on any machine.
+
+libtpu describes the devices of a (multi-host) TPU slice without a TPU; the train step is then
+jitted exactly as train.py jits it (same mesh, logical-axis rules, shardings and donation),
+lowered on abstract arrays and compiled for that slice. Prints the per-device memory XLA plans
+(arguments, temporaries, outputs not aliased to arguments, total) against the chip's HBM and
+exits non-zero when it does not fit. This is how MaxText's train_compile.py checks pod configs.
+
+  pip install -c requirements.txt "jax[tpu]==0.10.2"   # brings libtpu
+  python benchmarks/tpu_compile.py --config=configs/lm.py --topology=v4:2x2x4 \
+    [--config.mesh.data=... --config.mesh.fsdp=... --config.mesh.tensor=... --config.*=...]
+
+Every --config.* override train.py takes works here. The vocabulary size is data.vocab_size (a
+trained tokenizer's size) or 261 for the bytes tokenizer, so no corpus is read.
+"""
+
+import os
+import sys
+
+import bench_step
+from absl import app, flags
+from ml_collections import config_flags
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, _REPO)
+
+config_flags.DEFINE_config_file("config", None, "Training config file.", lock_config=True)
+flags.DEFINE_string("topology", "v4:2x2x4", "TPU slice, e.g. v4:2x2x4, v5e:4x4, v5p:2x2x2.")
+flags.DEFINE_enum(
+  "chip_config",
+  "auto",
+  ["auto", "default", "megacore"],
+  "libtpu chip configuration: megacore (one device per v4/v5p chip, as JAX uses them), default "
+  "(one per TensorCore); auto = megacore for v4 and v5p.",
+)
+flags.mark_flags_as_required(["config"])
+FLAGS = flags.FLAGS
+
+GIB = 1024**3
+# HBM per JAX device (one chip; a v4 or v5p chip in megacore mode, half of it per TensorCore).
+HBM_PER_CHIP = {
+  "TPU v2": 8 * GIB,
+  "TPU v3": 16 * GIB,
+  "TPU v4": 32 * GIB,
+  "TPU v5 lite": 16 * GIB,
+  "TPU v5": 95 * GIB,
+  "TPU v6 lite": 32 * GIB,
+}
+
+
+def topology_devices(topology: str, chip_config: str):
+  """Compile-only devices of `topology`; raises RuntimeError with a clear message without libtpu."""
+  from jax.experimental import topologies
+
+  if chip_config == "auto":
+    chip_config = "megacore" if topology.split(":")[0] in ("v4", "v5p") else "default"
+  kwargs = {"chip_config_name": chip_config} if chip_config != "default" else {}
+  try:
+    return topologies.get_topology_desc(topology, "tpu", **kwargs).devices
+  except Exception as e:  # no libtpu, or a topology it does not know
+    raise RuntimeError(
+      f"--topology={topology}: libtpu could not describe it ({str(e).splitlines()[0]}); "
+      'install libtpu with `pip install -c requirements.txt "jax[tpu]==0.10.2"`'
+    ) from e
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  from roformer import config_lib
+
+  config = FLAGS.config
+  try:
+    rc = bench_step.run_config(config)
+    devices = topology_devices(FLAGS.topology, FLAGS.chip_config)
+    result = bench_step.compile_train_step(rc, devices)
+  except (config_lib.ConfigError, RuntimeError, ValueError) as e:
+    print(f"tpu_compile.py: error: {e}", file=sys.stderr)
+    sys.exit(1)
+  except bench_step.DoesNotFitError as e:
+    print(
+      f"tpu_compile.py: error: the train step does not fit the device memory: {e}", file=sys.stderr
+    )
+    sys.exit(2)
+  kind = devices[0].device_kind
+  hbm = HBM_PER_CHIP.get(kind, 0)
+  hosts = len({d.process_index for d in devices})
+  m = rc.model
+  rows = [
+    ("topology", f"{FLAGS.topology}: {len(devices)} x {kind} on {hosts} hosts"),
+    ("mesh", ", ".join(f"{k}={v}" for k, v in result["mesh"].items())),
+    (
+      "model",
+      f"{m.kind} {m.num_layers}x{m.emb_dim} H{m.num_heads} F{m.mlp_dim} V{m.vocab_size} "
+      f"{m.dtype}, {result['num_params'] / 1e6:.1f}M parameters",
+    ),
+    ("batch", f"{rc.train.global_batch_size} x {rc.data.seq_len} tokens"),
+    ("compile (s)", f"{result['compile_seconds']:.1f}"),
+    ("arguments / device (GiB)", f"{result['argument_bytes'] / GIB:.3f}"),
+    ("temporaries / device (GiB)", f"{result['temp_bytes'] / GIB:.3f}"),
+    ("outputs / device (GiB)", f"{result['output_bytes'] / GIB:.3f}"),
+    ("total / device (GiB)", f"{result['total_bytes'] / GIB:.3f}"),
+    ("HBM / device (GiB)", f"{hbm / GIB:.0f}" if hbm else "unknown"),
+  ]
+  fits = hbm == 0 or result["total_bytes"] <= hbm
+  rows.append(("fits", "yes" if fits else "NO"))
+  width = max(len(name) for name, _ in rows)
+  print("\n".join(f"| {name:<{width}} | {value} |" for name, value in rows))
+  if not fits:
+    print(
+      f"tpu_compile.py: error: {result['total_bytes'] / GIB:.2f} GiB per device does not fit the "
+      f"{hbm / GIB:.0f} GiB of a {kind}",
+      file=sys.stderr,
+    )
+    sys.exit(2)
+
+
+if __name__ == "__main__":
+  # libtpu reads these to find the slice of the machine it runs on; compiling for a described
+  # topology needs none of them, so keep its start-up quiet and local.
+  os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+  app.run(main)
