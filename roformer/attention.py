@@ -354,6 +354,7 @@ class Attention(nnx.Module):
     *,
     segment_ids_BL=None,
     dropout_key: jax.Array | None = None,
+    rotary_state=None,
   ):
     """Rotates q and k with `posenc`, then runs the kernel with `posenc.bias`.
 
@@ -363,11 +364,12 @@ class Attention(nnx.Module):
       posenc: the model's positional encoding (its `rotate` and `bias` hooks are used).
       segment_ids_BL: int segment ids; None means one segment.
       dropout_key: key for attention-probability dropout; None disables it.
+      rotary_state: `posenc.prepare` of the forward pass; None prepares it from `pos_BL`.
 
     Returns:
       [B, L, H, K] in the dtype of q.
     """
-    q_BLHK, k_BLGK = posenc.rotate(q_BLHK, k_BLGK, pos_BL, pos_BL)
+    q_BLHK, k_BLGK = posenc.rotate(q_BLHK, k_BLGK, pos_BL, pos_BL, rotary_state)
     return KERNELS[self.impl](
       q_BLHK,
       k_BLGK,

@@ -197,7 +197,7 @@ class Encoder(nnx.Module):
     x_BLE = _seqwise(embed_tail, x_BLE, block=cfg.attention_block, key=_fold(key, 0))
     # E -> D has no intermediate wider than its [B, L, D] output, so it needs no blocks.
     x_BLD = x_BLE if self.embed_project is None else self.embed_project(x_BLE)
-    x_BLD = _run_layers(self.layers, x_BLD, positions_BL, self.posenc, segment_ids_BL, key)
+    x_BLD = _run_layers(self, x_BLD, positions_BL, segment_ids_BL, key)
     if self.final_norm is not None:
       x_BLD = _seqwise(lambda _, x: self.final_norm(x), x_BLD, block=cfg.attention_block)
     return x_BLD
@@ -250,7 +250,7 @@ class Decoder(nnx.Module):
     key = _dropout_key(cfg, deterministic, rngs)
     x_BLD = self.posenc.embed(self.embed(tokens_BL), positions_BL).astype(DTYPES[cfg.dtype])
     x_BLD = _dropout(x_BLD, cfg.dropout_rate, _fold(key, 0))
-    x_BLD = _run_layers(self.layers, x_BLD, positions_BL, self.posenc, segment_ids_BL, key)
+    x_BLD = _run_layers(self, x_BLD, positions_BL, segment_ids_BL, key)
     return _seqwise(lambda _, x: self.final_norm(x), x_BLD, block=cfg.attention_block)
 
   def logits(self, h_BLD):
@@ -263,10 +263,17 @@ class Decoder(nnx.Module):
 MODELS = {"encoder": Encoder, "decoder": Decoder}
 
 
-def _run_layers(layers, x_BLD, positions_BL, posenc, segment_ids_BL, key):
-  for i, layer in enumerate(layers):
+def _run_layers(model, x_BLD, positions_BL, segment_ids_BL, key):
+  # One rotary state for the whole pass, from all its positions (see `PosEnc.prepare`).
+  rotary_state = model.posenc.prepare(positions_BL)
+  for i, layer in enumerate(model.layers):
     x_BLD = layer(
-      x_BLD, positions_BL, posenc, segment_ids_BL=segment_ids_BL, dropout_key=_fold(key, i + 1)
+      x_BLD,
+      positions_BL,
+      model.posenc,
+      segment_ids_BL=segment_ids_BL,
+      dropout_key=_fold(key, i + 1),
+      rotary_state=rotary_state,
     )
   return x_BLD
 
@@ -306,8 +313,13 @@ class Block(nnx.Module):
     self.mlp_norm = _norm(cfg, cfg.emb_dim, rngs)
     self.mlp = Mlp(cfg, rngs=rngs)
 
-  def __call__(self, x_BLD, pos_BL, posenc, *, segment_ids_BL=None, dropout_key=None):
-    """x [B, L, D] at positions [B, L] -> [B, L, D]; `dropout_key` None = no dropout."""
+  def __call__(
+    self, x_BLD, pos_BL, posenc, *, segment_ids_BL=None, dropout_key=None, rotary_state=None
+  ):
+    """x [B, L, D] at positions [B, L] -> [B, L, D]; `dropout_key` None = no dropout.
+
+    `rotary_state` is `posenc.prepare` of the whole pass (None: prepared from `pos_BL`).
+    """
     q_BLHK, k_BLGK, v_BLGK = self.attn.qkv(self.attn_norm(x_BLD) if self.pre_norm else x_BLD)
     o_BLHK = self.attn.attend(
       q_BLHK,
@@ -317,6 +329,7 @@ class Block(nnx.Module):
       posenc,
       segment_ids_BL=segment_ids_BL,
       dropout_key=_fold(dropout_key, 0),
+      rotary_state=rotary_state,
     )
 
     def project_out_and_mlp(key, o_BLHK, x_BLD):
