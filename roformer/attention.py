@@ -40,7 +40,9 @@ def _check_ranks(q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS):
     raise ValueError(f"positions {qpos_BL.shape}, {kpos_BS.shape} do not match q and k")
 
 
-def attention_mask(qpos_BL, kpos_BS, qseg_BL=None, kseg_BS=None, *, causal, window=0):
+def attention_mask(
+  qpos_BL, kpos_BS, qseg_BL=None, kseg_BS=None, *, causal, window=0, global_tokens=0
+):
   """Which keys each query may attend to.
 
   Args:
@@ -49,6 +51,8 @@ def attention_mask(qpos_BL, kpos_BS, qseg_BL=None, kseg_BS=None, *, causal, wind
     causal: keys must not come after the query (kpos <= qpos).
     window: if > 0, keys must lie within `window` positions of the query (|qpos - kpos| <
       window, which for causal attention is qpos - kpos < window).
+    global_tokens: with a window, positions below this attend to and are attended by every
+      key and query of their segment (Longformer's global attention).
 
   Returns:
     bool [B, L, S].
@@ -61,7 +65,10 @@ def attention_mask(qpos_BL, kpos_BS, qseg_BL=None, kseg_BS=None, *, causal, wind
   if causal:
     mask_BLS &= kpos_B1S <= qpos_BL1
   if window > 0:
-    mask_BLS &= jnp.abs(qpos_BL1 - kpos_B1S) < window
+    near_BLS = jnp.abs(qpos_BL1 - kpos_B1S) < window
+    if global_tokens > 0:
+      near_BLS |= (qpos_BL1 < global_tokens) | (kpos_B1S < global_tokens)
+    mask_BLS &= near_BLS
   return mask_BLS
 
 
@@ -107,6 +114,7 @@ def dense_attention(
   dropout_rate: float = 0.0,
   dropout_key: jax.Array | None = None,
   block: int = 512,
+  global_tokens: int = 0,
 ):
   """Reference kernel: materialises the [L, S] scores, fp32 softmax.
 
@@ -119,6 +127,7 @@ def dense_attention(
     bias_fn: positional bias of a block of positions, e.g. `posenc.bias`.
     dropout_rate, dropout_key: attention-probability dropout (no dropout when the key is None).
     block: unused (kept so every kernel has the same signature).
+    global_tokens: see `attention_mask`.
 
   Returns:
     [B, L, H, K] in the dtype of q. A query with no allowed key gets zeros.
@@ -129,9 +138,10 @@ def dense_attention(
   G = k_BSGK.shape[2]
   bias_BHLS = None if bias_fn is None else bias_fn(qpos_BL, kpos_BS)
   s_BGRLS = _scores(_split_heads(q_BLHK, G), k_BSGK, bias_BHLS)
-  mask_B11LS = attention_mask(qpos_BL, kpos_BS, qseg_BL, kseg_BS, causal=causal, window=window)[
-    :, None, None
-  ]
+  mask_BLS = attention_mask(
+    qpos_BL, kpos_BS, qseg_BL, kseg_BS, causal=causal, window=window, global_tokens=global_tokens
+  )
+  mask_B11LS = mask_BLS[:, None, None]
   # fp32 softmax for stability, written out so that fully masked rows give 0 (as in `chunked`).
   s_BGRLS = jnp.where(mask_B11LS, s_BGRLS, _NEG)
   p_BGRLS = jnp.exp(s_BGRLS - s_BGRLS.max(axis=-1, keepdims=True))
@@ -173,6 +183,7 @@ def chunked_attention(
   dropout_rate: float = 0.0,
   dropout_key: jax.Array | None = None,
   block: int = 512,
+  global_tokens: int = 0,
 ):
   """Blockwise online-softmax kernel: memory O(L * block), any L and S.
 
@@ -188,11 +199,23 @@ def chunked_attention(
   from (query block, key block); the denominator is not dropped, which equals dropping the
   normalised probabilities.
 
+  Windowed self-attention without global tokens visits only the key blocks inside the window
+  (`roformer.attention_window`): O(L * w) time instead of a scan over every key block.
+
   Args and returns: as `dense_attention`; `block` is the query and key block size.
   """
   _check_ranks(q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS)
   B, L, H, K = q_BLHK.shape
   S, G = k_BSGK.shape[1:3]
+  if window > 0 and not global_tokens and S == L:
+    from roformer import attention_window  # it builds on this module's pieces
+
+    if attention_window.visited_blocks(L, block, window, causal) < -(-L // min(block, L)):
+      return attention_window.banded_attention(
+        q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS, qseg_BL=qseg_BL, kseg_BS=kseg_BS,
+        causal=causal, window=window, bias_fn=bias_fn, dropout_rate=dropout_rate,
+        dropout_key=dropout_key, block=block,
+      )  # fmt: skip
   R = H // G
   bq, bk = min(block, L), min(block, S)
   nq, nk = -(-L // bq), -(-S // bk)
@@ -211,7 +234,10 @@ def chunked_attention(
 
     def key_block(carry, k_args):
       ki, k_BkGK, v_BkGK, kpos_Bk, kseg_Bk, kvalid_Bk = k_args
-      mask_BqBk = attention_mask(qpos_Bq, kpos_Bk, qseg_Bq, kseg_Bk, causal=causal, window=window)
+      mask_BqBk = attention_mask(
+        qpos_Bq, kpos_Bk, qseg_Bq, kseg_Bk, causal=causal, window=window,
+        global_tokens=global_tokens,
+      )  # fmt: skip
       mask_B11qk = (mask_BqBk & kvalid_Bk[:, None, :])[:, None, None]
 
       def update(carry):
@@ -302,6 +328,7 @@ class Attention(nnx.Module):
     impl: str = "auto",
     block: int = 512,
     window: int = 0,
+    global_tokens: int = 0,
     dtype=jnp.float32,
     param_dtype=jnp.float32,
     rngs: nnx.Rngs,
@@ -319,6 +346,7 @@ class Attention(nnx.Module):
     self.impl = impl
     self.block = block
     self.window = window
+    self.global_tokens = global_tokens
     common = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     hk_bias = nnx.with_partitioning(nnx.initializers.zeros, ("heads", "kv"))
     qkv_init = _kernel_init(0, (1, 2), ("embed", "heads", "kv"))
@@ -384,6 +412,7 @@ class Attention(nnx.Module):
       dropout_rate=self.dropout_rate,
       dropout_key=dropout_key,
       block=self.block,
+      global_tokens=self.global_tokens,
     )
 
   def __call__(

@@ -46,6 +46,7 @@ class SoftmaxAttention(Attention):
       impl=cfg.attention_impl,
       block=cfg.attention_block,
       window=window,
+      global_tokens=cfg.global_tokens,
       dtype=dtype,
       param_dtype=param_dtype,
       rngs=rngs,
