@@ -20,6 +20,7 @@ from flax import nnx
 
 from roformer import kv_cache
 from roformer.attention import KERNELS, Attention, dense_attention
+from roformer.attention_mla import MLAttention
 
 
 class SoftmaxAttention(Attention):
@@ -100,7 +101,7 @@ class SoftmaxAttention(Attention):
     return o_BLHK, cache
 
 
-ATTENTIONS: dict[str, type[nnx.Module]] = {"softmax": SoftmaxAttention}
+ATTENTIONS: dict[str, type[nnx.Module]] = {"softmax": SoftmaxAttention, "mla": MLAttention}
 
 
 def make_attention(cfg, **kwargs) -> nnx.Module:

@@ -138,13 +138,13 @@ def validate_model(cfg: ModelConfig, *, seq_len: int = 0) -> None:
     )
   _check_windows(cfg)
   attention = ATTENTIONS[cfg.attention]
+  attention.check_config(cfg, POSENCS.get(cfg.posenc.kind))
   validate_posenc(
     cfg.posenc,
     causal=cfg.kind == "decoder",
     head_dim=attention.rotary_head_dim(cfg, resolve_head_dim(cfg)),
     seq_len=seq_len,
   )
-  attention.check_config(cfg, POSENCS[cfg.posenc.kind])
 
 
 def _check_windows(cfg: ModelConfig) -> None:

@@ -10,7 +10,7 @@ from roformer import generate as gen
 from roformer import kv_cache
 from roformer.posenc_config import RopeScaling
 
-P, N = 3, 6  # prompt and new tokens; the sequence (9) passes the scalings' original length (4)
+P, N = vh.P, vh.N
 
 
 def _scaling(kind):
@@ -34,33 +34,6 @@ ENCODINGS = [
 ]
 
 
-def _greedy_by_full_forward(model, prompt_BP, n):
-  """Greedy tokens and next-token logits from one full forward pass per step.
-
-  Each pass sees the sequence so far padded to its final length P + n: a causal model's logits
-  at t - 1 do not depend on the padding, and dynamic NTK runs at the generation's length, as
-  `generate` does (see its module doc).
-  """
-  B, P = prompt_BP.shape
-  seq_BT = jnp.concatenate([prompt_BP, jnp.zeros((B, n), jnp.int32)], 1)
-  logits = []
-  for t in range(P, P + n):
-    last_BV = vh.forward(model, seq_BT, vh.arange(B, P + n))[:, t - 1]
-    logits.append(last_BV)
-    seq_BT = seq_BT.at[:, t].set(jnp.argmax(last_BV, -1).astype(jnp.int32))
-  return seq_BT, jnp.stack(logits, 1)
-
-
-def _check_matches_full_forward(cfg):
-  model = vh.random_model(cfg)
-  prompt_BP = vh.tokens(2, P)
-  want_BT, want_logits = _greedy_by_full_forward(model, prompt_BP, N)
-  got_BT = gen.generate(model, prompt_BP, max_new_tokens=N)
-  np.testing.assert_array_equal(got_BT, want_BT)
-  got_logits = gen.cached_logits(model, want_BT, P)[:, :-1]
-  np.testing.assert_allclose(got_logits, want_logits, rtol=1e-5, atol=1e-5)
-
-
 def test_prefix_forward_equals_padded_forward_except_for_dynamic_ntk():
   # The reference above pads; for an encoding whose state ignores the length, padding is
   # invisible, so the padded reference is the plain repeated forward over the prefix.
@@ -74,7 +47,7 @@ def test_prefix_forward_equals_padded_forward_except_for_dynamic_ntk():
 
 @pytest.mark.parametrize("posenc, fields", ENCODINGS)
 def test_cached_generation_equals_full_forward_for_every_encoding(posenc, fields):
-  _check_matches_full_forward(vh.config(posenc, fields))
+  vh.check_cached_generation(vh.config(posenc, fields))
 
 
 @pytest.mark.parametrize(
@@ -87,7 +60,7 @@ def test_cached_generation_equals_full_forward_for_every_encoding(posenc, fields
   ],
 )
 def test_cached_generation_equals_full_forward_for_softmax_variants(fields):
-  _check_matches_full_forward(vh.config("t5", **fields))
+  vh.check_cached_generation(vh.config("t5", **fields))
 
 
 def test_kv_cache_holds_kv_heads_and_window_slots():

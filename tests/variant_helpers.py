@@ -54,3 +54,38 @@ def arange(batch, length, start=0):
 @jax.jit
 def forward(model, tokens_BL, positions_BL):
   return model(tokens_BL, positions_BL)
+
+
+# Prompt and new tokens of `check_cached_generation`: the sequence (9) passes the original
+# length (4) of the scalings the tests use.
+P, N = 3, 6
+
+
+def greedy_by_full_forward(model, prompt_BP, n):
+  """Greedy tokens and next-token logits from one full forward pass per step.
+
+  Each pass sees the sequence so far padded to its final length P + n: a causal model's logits
+  at t - 1 do not depend on the padding, and dynamic NTK runs at the generation's length, as
+  `generate` does (see its module doc).
+  """
+  B, P = prompt_BP.shape
+  seq_BT = jnp.concatenate([prompt_BP, jnp.zeros((B, n), jnp.int32)], 1)
+  logits = []
+  for t in range(P, P + n):
+    last_BV = forward(model, seq_BT, arange(B, P + n))[:, t - 1]
+    logits.append(last_BV)
+    seq_BT = seq_BT.at[:, t].set(jnp.argmax(last_BV, -1).astype(jnp.int32))
+  return seq_BT, jnp.stack(logits, 1)
+
+
+def check_cached_generation(cfg):
+  """Greedy `generate` and cached logits of a random `cfg` model equal full forward passes."""
+  from roformer import generate as gen
+
+  model = random_model(cfg)
+  prompt_BP = tokens(2, P)
+  want_BT, want_logits = greedy_by_full_forward(model, prompt_BP, N)
+  got_BT = gen.generate(model, prompt_BP, max_new_tokens=N)
+  np.testing.assert_array_equal(got_BT, want_BT)
+  got_logits = gen.cached_logits(model, want_BT, P)[:, :-1]
+  np.testing.assert_allclose(got_logits, want_logits, rtol=1e-5, atol=1e-5)
