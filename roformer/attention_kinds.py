@@ -20,6 +20,7 @@ from flax import nnx
 
 from roformer import kv_cache
 from roformer.attention import KERNELS, Attention, dense_attention
+from roformer.attention_linear import LinearAttention
 from roformer.attention_mla import MLAttention
 
 
@@ -101,7 +102,11 @@ class SoftmaxAttention(Attention):
     return o_BLHK, cache
 
 
-ATTENTIONS: dict[str, type[nnx.Module]] = {"softmax": SoftmaxAttention, "mla": MLAttention}
+ATTENTIONS: dict[str, type[nnx.Module]] = {
+  "softmax": SoftmaxAttention,
+  "linear": LinearAttention,
+  "mla": MLAttention,
+}
 
 
 def make_attention(cfg, **kwargs) -> nnx.Module:

@@ -51,6 +51,12 @@ class PosEnc(nnx.Module):
         "set posenc.scaling.kind='none'"
       )
 
+  @classmethod
+  def acts_on_logits(cls) -> bool:
+    """Whether the encoding adds a bias to attention logits (attention kinds without logits,
+    such as linear attention, cannot honour it)."""
+    return cls.bias is not PosEnc.bias
+
   def embed(self, x_BLD: jax.Array, pos_BL: jax.Array) -> jax.Array:
     """Adds absolute position information to token embeddings [B, L, D] (identity here)."""
     del pos_BL
