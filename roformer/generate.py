@@ -1,7 +1,8 @@
 """Text generation from a decoder with per-layer decoding caches.
 
 The prompt is prefilled in one call (one forward pass that also fills the caches), then each new
-token costs one jitted decode step over the caches. Every attention kind brings its own cache
+token costs one decode step over the caches; `generate` compiles the prefill and a scan of
+decode steps into one program. Every attention kind brings its own cache
 (`roformer.attention_kinds`): softmax layers cache `num_kv_heads` unrotated keys and values (a
 ring buffer of w slots under a sliding window w), multi-head latent attention its latent and
 rotary key, causal linear attention its recurrent state. Positions are 0 .. P + N - 1 in every
@@ -99,11 +100,6 @@ def _prepare(posenc, batch, length):
   return posenc.prepare(span_B2)
 
 
-@functools.partial(jax.jit, static_argnames=("temperature", "top_k", "top_p"))
-def _sample(logits_BV, key, *, temperature, top_k, top_p):
-  return sample_next(logits_BV, key, temperature=temperature, top_k=top_k, top_p=top_p)
-
-
 def _positions(start, length, batch):
   return jnp.broadcast_to(jnp.arange(start, start + length, dtype=jnp.int32), (batch, length))
 
@@ -161,16 +157,32 @@ def generate(
   _check(model, prompt_BP, max_new_tokens, temperature, top_k, top_p)
   B, P = prompt_BP.shape
   rng = jax.random.PRNGKey(0) if rng is None else rng
-  filters = dict(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p))
   graphdef, state = nnx.split(model)
   caches = model.init_caches(B, P + max_new_tokens)
   rotary = _prepare(model.posenc, B, P + max_new_tokens)
-  logits_BV, caches = _decode(graphdef, state, prompt_BP, _positions(0, P, B), caches, rotary)
-  new = []
-  for i in range(max_new_tokens):
-    token_B = _sample(logits_BV, jax.random.fold_in(rng, i), **filters)
-    new.append(token_B)
-    if i + 1 < max_new_tokens:
-      positions_B1 = _positions(P + i, 1, B)
-      logits_BV, caches = _decode(graphdef, state, token_B[:, None], positions_B1, caches, rotary)
-  return jnp.concatenate([prompt_BP, jnp.stack(new, axis=1)], axis=1)
+  return _generate(
+    graphdef, state, prompt_BP, caches, rotary, rng, max_new_tokens=int(max_new_tokens),
+    temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
+  )  # fmt: skip
+
+
+@functools.partial(
+  jax.jit, static_argnums=0, static_argnames=("max_new_tokens", "temperature", "top_k", "top_p")
+)
+def _generate(graphdef, state, prompt_BP, caches, rotary, rng, *, max_new_tokens, **filters):
+  """Prefill, then a scan of decode steps, all in one program (no per-token dispatch)."""
+  model = nnx.merge(graphdef, state)
+  B, P = prompt_BP.shape
+  logits_BLV, caches = model.decode(prompt_BP, _positions(0, P, B), caches, rotary)
+  first_B = sample_next(logits_BLV[:, -1], jax.random.fold_in(rng, 0), **filters)
+
+  def step(carry, i):
+    # Feeds new token i - 1 (at position P + i - 1) and samples new token i.
+    token_B, caches = carry
+    positions_B1 = jnp.broadcast_to(P + i - 1, (B, 1)).astype(jnp.int32)
+    logits_B1V, caches = model.decode(token_B[:, None], positions_B1, caches, rotary)
+    next_B = sample_next(logits_B1V[:, -1], jax.random.fold_in(rng, i), **filters)
+    return (next_B, caches), next_B
+
+  _, rest_NB = jax.lax.scan(step, (first_B, caches), jnp.arange(1, max_new_tokens))
+  return jnp.concatenate([prompt_BP, first_B[:, None], rest_NB.T], axis=1)
