@@ -82,6 +82,22 @@ def get_config() -> ml_collections.ConfigDict:
   # "block" (store only matmul outputs; recompute scores, softmax, norms, activations) or "full"
   # (store only the block's input).
   model.remat = "none"
+  # Per-layer windows "w1,w2,...", repeated over the layers (0 = global; "" = attention_window
+  # everywhere), e.g. "4096,0" alternates local and global layers as Gemma 2.
+  model.attention_window_pattern = ""
+  # Encoders with a window: tokens at positions < N attend to and are attended by all (Longformer).
+  model.global_tokens = 0
+  # Attention kind: "softmax", "linear" (RoFormer eq. 19, RoPE in the numerator) or "mla"
+  # (DeepSeek-V2 multi-head latent attention with a decoupled RoPE key).
+  model.attention = "softmax"
+  # linear: feature map "elu" (elu + 1) or "favor" (Performer's positive random features).
+  model.linear_feature_map = "elu"
+  # mla: width of the joint key/value latent (the decoding cache holds it per token).
+  model.kv_lora_rank = 0
+  # mla: width of the query latent (0 = queries projected directly).
+  model.q_lora_rank = 0
+  # mla: width of the rotary key shared by all heads (and of each query's rotary part).
+  model.qk_rope_head_dim = 0
 
   # ---- posenc: the positional encoding (one field picks it; every kind's fields are here) ----
   config.posenc = posenc = ml_collections.ConfigDict()

@@ -46,7 +46,15 @@ WINDOW_KINDS = ("sliding", "blockwise")
 
 
 def attention_mask(
-  qpos_BL, kpos_BS, qseg_BL=None, kseg_BS=None, *, causal, window=0, window_kind="sliding"
+  qpos_BL,
+  kpos_BS,
+  qseg_BL=None,
+  kseg_BS=None,
+  *,
+  causal,
+  window=0,
+  window_kind="sliding",
+  global_tokens=0,
 ):
   """Which keys each query may attend to.
 
@@ -61,6 +69,8 @@ def attention_mask(
       keys of its own block and of the block before (kpos // b >= qpos // b - 1 with
       b = window // 2), so between window / 2 and `window` keys and no distance of `window` or
       more; inputs of at most `window` positions see every earlier key.
+    global_tokens: with a window, positions below this attend to and are attended by every
+      key and query of their segment (Longformer's global attention).
 
   Returns:
     bool [B, L, S].
@@ -76,7 +86,10 @@ def attention_mask(
     half = max(1, window // 2)
     mask_BLS &= kpos_B1S // half >= qpos_BL1 // half - 1
   elif window > 0:
-    mask_BLS &= jnp.abs(qpos_BL1 - kpos_B1S) < window
+    near_BLS = jnp.abs(qpos_BL1 - kpos_B1S) < window
+    if global_tokens > 0:
+      near_BLS |= (qpos_BL1 < global_tokens) | (kpos_B1S < global_tokens)
+    mask_BLS &= near_BLS
   return mask_BLS
 
 
@@ -124,6 +137,7 @@ def dense_attention(
   dropout_rate: float = 0.0,
   dropout_key: jax.Array | None = None,
   block: int = 512,
+  global_tokens: int = 0,
 ):
   """Reference kernel: materialises the [L, S] scores, fp32 softmax.
 
@@ -137,6 +151,7 @@ def dense_attention(
     content_bias_fn: bias from queries, keys and the mask, e.g. `posenc.content_bias` (CoPE).
     dropout_rate, dropout_key: attention-probability dropout (no dropout when the key is None).
     block: unused (kept so every kernel has the same signature).
+    global_tokens: see `attention_mask`.
 
   Returns:
     [B, L, H, K] in the dtype of q. A query with no allowed key gets zeros.
@@ -151,8 +166,9 @@ def dense_attention(
   mask_BLS = None
   if masked:
     mask_BLS = attention_mask(
-      qpos_BL, kpos_BS, qseg_BL, kseg_BS, causal=causal, window=window, window_kind=window_kind
-    )
+      qpos_BL, kpos_BS, qseg_BL, kseg_BS, causal=causal, window=window, window_kind=window_kind,
+      global_tokens=global_tokens,
+    )  # fmt: skip
   if content_bias_fn is not None:
     content_BHLS = content_bias_fn(q_BLHK, k_BSGK, mask_BLS)
     bias_BHLS = content_BHLS if bias_BHLS is None else bias_BHLS + content_BHLS
@@ -200,6 +216,7 @@ def chunked_attention(
   dropout_rate: float = 0.0,
   dropout_key: jax.Array | None = None,
   block: int = 512,
+  global_tokens: int = 0,
 ):
   """Blockwise online-softmax kernel: memory O(L * block), any L and S.
 
@@ -215,6 +232,9 @@ def chunked_attention(
   from (query block, key block); the denominator is not dropped, which equals dropping the
   normalised probabilities.
 
+  Windowed self-attention without global tokens visits only the key blocks inside the window
+  (`roformer.attention_window`): O(L * w) time instead of a scan over every key block.
+
   Args and returns: as `dense_attention`; `block` is the query and key block size. A
   `content_bias_fn` is refused: its cumulative sums run across key blocks.
   """
@@ -226,6 +246,15 @@ def chunked_attention(
   _check_ranks(q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS)
   B, L, H, K = q_BLHK.shape
   S, G = k_BSGK.shape[1:3]
+  if window > 0 and not global_tokens and S == L:
+    from roformer import attention_window  # it builds on this module's pieces
+
+    if attention_window.visited_blocks(L, block, window, causal) < -(-L // min(block, L)):
+      return attention_window.banded_attention(
+        q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS, qseg_BL=qseg_BL, kseg_BS=kseg_BS,
+        causal=causal, window=window, window_kind=window_kind, bias_fn=bias_fn,
+        dropout_rate=dropout_rate, dropout_key=dropout_key, block=block,
+      )  # fmt: skip
   R = H // G
   bq, bk = min(block, L), min(block, S)
   nq, nk = -(-L // bq), -(-S // bk)
@@ -245,8 +274,9 @@ def chunked_attention(
     def key_block(carry, k_args):
       ki, k_BkGK, v_BkGK, kpos_Bk, kseg_Bk, kvalid_Bk = k_args
       mask_BqBk = attention_mask(
-        qpos_Bq, kpos_Bk, qseg_Bq, kseg_Bk, causal=causal, window=window, window_kind=window_kind
-      )
+        qpos_Bq, kpos_Bk, qseg_Bq, kseg_Bk, causal=causal, window=window,
+        window_kind=window_kind, global_tokens=global_tokens,
+      )  # fmt: skip
       mask_B11qk = (mask_BqBk & kvalid_Bk[:, None, :])[:, None, None]
 
       def update(carry):
@@ -340,6 +370,7 @@ class Attention(nnx.Module):
     block: int = 512,
     window: int = 0,
     window_kind: str = "sliding",
+    global_tokens: int = 0,
     dtype=jnp.float32,
     param_dtype=jnp.float32,
     rngs: nnx.Rngs,
@@ -358,6 +389,7 @@ class Attention(nnx.Module):
     self.block = block
     self.window = window
     self.window_kind = window_kind
+    self.global_tokens = global_tokens
     common = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     hk_bias = nnx.with_partitioning(nnx.initializers.zeros, ("heads", "kv"))
     qkv_init = _kernel_init(0, (1, 2), ("embed", "heads", "kv"))
@@ -393,6 +425,7 @@ class Attention(nnx.Module):
     *,
     segment_ids_BL=None,
     dropout_key: jax.Array | None = None,
+    rotary_state=None,
   ):
     """Rotates q and k with `posenc`, then runs the kernel with `posenc.bias`.
 
@@ -402,11 +435,12 @@ class Attention(nnx.Module):
       posenc: the model's positional encoding (its `rotate` and `bias` hooks are used).
       segment_ids_BL: int segment ids; None means one segment.
       dropout_key: key for attention-probability dropout; None disables it.
+      rotary_state: `posenc.prepare` of the forward pass; None prepares it from `pos_BL`.
 
     Returns:
       [B, L, H, K] in the dtype of q.
     """
-    q_BLHK, k_BLGK = posenc.rotate(q_BLHK, k_BLGK, pos_BL, pos_BL)
+    q_BLHK, k_BLGK = posenc.rotate(q_BLHK, k_BLGK, pos_BL, pos_BL, rotary_state)
     return KERNELS[self.impl](
       q_BLHK,
       k_BLGK,
@@ -423,6 +457,7 @@ class Attention(nnx.Module):
       dropout_rate=self.dropout_rate,
       dropout_key=dropout_key,
       block=self.block,
+      global_tokens=self.global_tokens,
     )
 
   def __call__(

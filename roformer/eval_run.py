@@ -138,7 +138,12 @@ def eval_model_config(
   if attention_window:
     if attention_window < 0:
       raise ValueError(f"--window must be > 0, got {attention_window}")
-    window = dict(attention_window=attention_window, attention_window_kind=window_kind)
+    # Every layer: a per-layer pattern of the run gives way to the imposed window.
+    window = dict(
+      attention_window=attention_window,
+      attention_window_kind=window_kind,
+      attention_window_pattern="",
+    )
   # The dense kernel materialises [L, L] scores; "auto" is the same kernel for short windows.
   impl = "auto" if model_cfg.attention_impl == "dense" else model_cfg.attention_impl
   cfg = dataclasses.replace(model_cfg, posenc=posenc, attention_impl=impl, **window)

@@ -11,8 +11,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from roformer.attention import KERNELS, WINDOW_KINDS, Attention
+from roformer.attention import KERNELS, WINDOW_KINDS
 from roformer.attention import dropout as _dropout
+from roformer.attention_kinds import ATTENTIONS, make_attention
 from roformer.posenc import POSENCS, make_posenc, validate_posenc
 from roformer.posenc_config import PosEncConfig
 
@@ -63,6 +64,13 @@ class ModelConfig:
   embed_scale: str = "auto"
   scan_layers: bool = False  # one block with stacked [num_layers, ...] parameters, run by lax.scan
   remat: str = "none"  # none | block | full (see REMAT_POLICIES)
+  attention_window_pattern: str = ""  # per-layer windows "w1,w2,..." repeated over layers
+  global_tokens: int = 0  # encoder: positions < N attend to and are attended by all tokens
+  attention: str = "softmax"  # softmax | linear | mla
+  linear_feature_map: str = "elu"  # linear attention: elu | favor
+  kv_lora_rank: int = 0  # mla: latent width of keys and values
+  q_lora_rank: int = 0  # mla: latent width of queries (0 = no query compression)
+  qk_rope_head_dim: int = 0  # mla: width of the rotary key shared by all heads
   posenc: PosEncConfig = PosEncConfig()
 
 
@@ -79,6 +87,14 @@ def resolve_embed_scale(cfg: ModelConfig) -> str:
   if cfg.embed_scale == "auto":
     return POSENCS[cfg.posenc.kind].paper_embed_scale
   return cfg.embed_scale
+
+
+def layer_windows(cfg: ModelConfig) -> tuple[int, ...]:
+  """Each layer's sliding window: `attention_window_pattern` repeated over the layers, if set."""
+  if not cfg.attention_window_pattern:
+    return (cfg.attention_window,) * cfg.num_layers
+  pattern = [int(w) for w in cfg.attention_window_pattern.split(",")]
+  return tuple(pattern[i % len(pattern)] for i in range(cfg.num_layers))
 
 
 def make_model(cfg: ModelConfig, *, rngs: nnx.Rngs) -> "Encoder | Decoder":
@@ -113,10 +129,14 @@ def validate_model(cfg: ModelConfig, *, seq_len: int = 0) -> None:
   _check_choice("model.embed_scale", cfg.embed_scale, EMBED_SCALES)
   _check_choice("model.attention_window_kind", cfg.attention_window_kind, WINDOW_KINDS)
   _check_choice("model.remat", cfg.remat, REMAT_POLICIES)
+  _check_choice("model.attention", cfg.attention, ATTENTIONS)
   for name in ("vocab_size", "num_layers", "emb_dim", "num_heads", "mlp_dim", "attention_block"):
     if getattr(cfg, name) < 1:
       raise ValueError(f"model.{name}={getattr(cfg, name)} must be a positive integer")
-  for name in ("num_kv_heads", "head_dim", "embedding_size", "type_vocab_size", "attention_window"):
+  for name in (
+    "num_kv_heads", "head_dim", "embedding_size", "type_vocab_size", "attention_window",
+    "global_tokens", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim",
+  ):  # fmt: skip
     if getattr(cfg, name) < 0:
       raise ValueError(f"model.{name}={getattr(cfg, name)} must be >= 0 (0 = default)")
   if not 0.0 <= cfg.dropout_rate < 1.0:
@@ -143,13 +163,46 @@ def validate_model(cfg: ModelConfig, *, seq_len: int = 0) -> None:
       f"model.type_vocab_size={cfg.type_vocab_size} is only supported for model.kind='encoder'; "
       "use 0 for decoders"
     )
+  _check_windows(cfg)
+  attention = ATTENTIONS[cfg.attention]
+  attention.check_config(cfg, POSENCS.get(cfg.posenc.kind))
   validate_posenc(
     cfg.posenc,
     causal=cfg.kind == "decoder",
-    head_dim=resolve_head_dim(cfg),
+    head_dim=attention.rotary_head_dim(cfg, resolve_head_dim(cfg)),
     seq_len=seq_len,
     attention_impl=cfg.attention_impl,
   )
+
+
+def _check_windows(cfg: ModelConfig) -> None:
+  if cfg.attention_window_pattern:
+    parts = cfg.attention_window_pattern.split(",")
+    if not all(p.strip().isdigit() for p in parts):
+      raise ValueError(
+        f"model.attention_window_pattern={cfg.attention_window_pattern!r} must be "
+        "comma-separated window sizes >= 0 (0 = global), e.g. '4096,0'"
+      )
+  if cfg.scan_layers and cfg.attention_window_pattern:
+    raise ValueError(
+      f"model.attention_window_pattern={cfg.attention_window_pattern!r} gives layers different "
+      "windows, which model.scan_layers=True (one stacked block) cannot; set one of them off"
+    )
+  if cfg.attention_window_kind == "blockwise" and cfg.global_tokens:
+    raise ValueError(
+      "model.global_tokens applies to sliding windows, not model.attention_window_kind='blockwise'"
+    )
+  if cfg.global_tokens and cfg.kind != "encoder":
+    raise ValueError(
+      f"model.global_tokens={cfg.global_tokens} is for encoders (model.kind='encoder'); "
+      "use 0 for decoders"
+    )
+  if cfg.global_tokens and not any(layer_windows(cfg)):
+    raise ValueError(
+      f"model.global_tokens={cfg.global_tokens} needs a sliding window "
+      "(model.attention_window or model.attention_window_pattern): without one every token "
+      "is already global"
+    )
 
 
 # ---- Models ----
@@ -226,7 +279,7 @@ class Encoder(nnx.Module):
     x_BLE = _seqwise(embed_tail, x_BLE, block=cfg.attention_block, key=_fold(key, 0))
     # E -> D has no intermediate wider than its [B, L, D] output, so it needs no blocks.
     x_BLD = x_BLE if self.embed_project is None else self.embed_project(x_BLE)
-    x_BLD = _run_layers(self.layers, cfg, x_BLD, positions_BL, self.posenc, segment_ids_BL, key)
+    x_BLD = _run_layers(self, x_BLD, positions_BL, segment_ids_BL, key)
     if self.final_norm is not None:
       x_BLD = _seqwise(lambda _, x: self.final_norm(x), x_BLD, block=cfg.attention_block)
     return x_BLD
@@ -278,8 +331,27 @@ class Decoder(nnx.Module):
     x_BLD = self.embed(tokens_BL) * self.embed_multiplier
     x_BLD = self.posenc.embed(x_BLD, positions_BL).astype(DTYPES[cfg.dtype])
     x_BLD = _dropout(x_BLD, cfg.dropout_rate, _fold(key, 0))
-    x_BLD = _run_layers(self.layers, cfg, x_BLD, positions_BL, self.posenc, segment_ids_BL, key)
+    x_BLD = _run_layers(self, x_BLD, positions_BL, segment_ids_BL, key)
     return _seqwise(lambda _, x: self.final_norm(x), x_BLD, block=cfg.attention_block)
+
+  def init_caches(self, batch: int, max_len: int) -> list:
+    """Empty decoding caches of every layer for sequences of up to `max_len` tokens."""
+    return [layer.attn.init_cache(batch, max_len) for layer in self.layers]
+
+  def decode(self, tokens_BL, positions_BL, caches, rotary_state):
+    """Cached forward pass of L new tokens: (float32 logits [B, L, V], updated caches).
+
+    Positions run 0, 1, 2, ... in every row and L > 1 is the prefill of empty caches
+    (`roformer.generate`); `rotary_state` is `posenc.prepare` of the whole generation.
+    """
+    cfg = self.cfg
+    x_BLD = self.embed(tokens_BL) * self.embed_multiplier
+    x_BLD = self.posenc.embed(x_BLD, positions_BL).astype(DTYPES[cfg.dtype])
+    new_caches = []
+    for layer, cache in zip(self.layers, caches, strict=True):
+      x_BLD, cache = layer.decode(x_BLD, positions_BL, self.posenc, cache, rotary_state)
+      new_caches.append(cache)
+    return self.logits(self.final_norm(x_BLD)), new_caches
 
   def logits(self, h_BLD):
     """LM head: hidden [B, L, D] -> float32 logits [B, L, V]."""
@@ -292,13 +364,17 @@ MODELS = {"encoder": Encoder, "decoder": Decoder}
 
 
 def _make_layers(cfg: ModelConfig, *, causal: bool, pre_norm: bool, rngs: nnx.Rngs):
-  """num_layers Blocks: a list, or with `scan_layers` one Block whose parameters are stacked.
+  """num_layers Blocks: a list (each with its window), or with `scan_layers` one Block whose
+  parameters are stacked.
 
   Stacked parameters get a leading [num_layers] axis that is never sharded (logical name None).
   """
   if not cfg.scan_layers:
     return nnx.List(
-      [Block(cfg, causal=causal, pre_norm=pre_norm, rngs=rngs) for _ in range(cfg.num_layers)]
+      [
+        Block(cfg, causal=causal, pre_norm=pre_norm, window=w, rngs=rngs)
+        for w in layer_windows(cfg)
+      ]
     )
 
   @nnx.split_rngs(splits=cfg.num_layers)
@@ -309,28 +385,38 @@ def _make_layers(cfg: ModelConfig, *, causal: bool, pre_norm: bool, rngs: nnx.Rn
     transform_metadata={nnx.PARTITION_NAME: None},
   )
   def stacked(rngs):
-    return Block(cfg, causal=causal, pre_norm=pre_norm, rngs=rngs)
+    return Block(cfg, causal=causal, pre_norm=pre_norm, window=cfg.attention_window, rngs=rngs)
 
   return stacked(rngs)
 
 
-def _run_layers(layers, cfg, x_BLD, positions_BL, posenc, segment_ids_BL, key):
-  """Runs the blocks in order (a Python loop, or lax.scan over stacked ones), with remat."""
+def _run_layers(model, x_BLD, positions_BL, segment_ids_BL, key):
+  """Runs the blocks in order (a Python loop, or lax.scan over stacked ones), with remat.
+
+  One rotary state serves the whole pass, prepared from all its positions (`PosEnc.prepare`).
+  """
+  cfg, posenc = model.cfg, model.posenc
+  rotary_state = posenc.prepare(positions_BL)
   policy = REMAT_POLICIES[cfg.remat]
 
   def run(graphdef, state, x_BLD, i):
     layer = nnx.merge(graphdef, state)
     return layer(
-      x_BLD, positions_BL, posenc, segment_ids_BL=segment_ids_BL, dropout_key=_fold(key, i + 1)
+      x_BLD,
+      positions_BL,
+      posenc,
+      segment_ids_BL=segment_ids_BL,
+      dropout_key=_fold(key, i + 1),
+      rotary_state=rotary_state,
     )
 
   if policy is not None:
     run = jax.checkpoint(run, policy=policy, static_argnums=(0,))
   if not cfg.scan_layers:
-    for i, layer in enumerate(layers):
+    for i, layer in enumerate(model.layers):
       x_BLD = run(*nnx.split(layer), x_BLD, i)
     return x_BLD
-  graphdef, state = nnx.split(layers)
+  graphdef, state = nnx.split(model.layers)
 
   def body(x_BLD, state_and_index):
     state, i = state_and_index
@@ -352,23 +438,19 @@ class Block(nnx.Module):
   anyway and they have no wider intermediate.
   """
 
-  def __init__(self, cfg: ModelConfig, *, causal: bool, pre_norm: bool, rngs: nnx.Rngs):
+  def __init__(
+    self, cfg: ModelConfig, *, causal: bool, pre_norm: bool, window: int = 0, rngs: nnx.Rngs
+  ):
     self.pre_norm = pre_norm
     self.dropout_rate = cfg.dropout_rate
     self.seq_block = cfg.attention_block
     self.attn_norm = _norm(cfg, cfg.emb_dim, rngs)
-    self.attn = Attention(
-      cfg.emb_dim,
-      cfg.num_heads,
-      resolve_head_dim(cfg),
+    self.attn = make_attention(
+      cfg,
+      head_dim=resolve_head_dim(cfg),
       num_kv_heads=resolve_num_kv_heads(cfg),
       causal=causal,
-      use_bias=cfg.use_bias,
-      dropout_rate=cfg.dropout_rate,
-      impl=cfg.attention_impl,
-      block=cfg.attention_block,
-      window=cfg.attention_window,
-      window_kind=cfg.attention_window_kind,
+      window=window,
       dtype=DTYPES[cfg.dtype],
       param_dtype=DTYPES[cfg.param_dtype],
       rngs=rngs,
@@ -376,28 +458,36 @@ class Block(nnx.Module):
     self.mlp_norm = _norm(cfg, cfg.emb_dim, rngs)
     self.mlp = Mlp(cfg, rngs=rngs)
 
-  def __call__(self, x_BLD, pos_BL, posenc, *, segment_ids_BL=None, dropout_key=None):
-    """x [B, L, D] at positions [B, L] -> [B, L, D]; `dropout_key` None = no dropout."""
-    q_BLHK, k_BLGK, v_BLGK = self.attn.qkv(self.attn_norm(x_BLD) if self.pre_norm else x_BLD)
+  def __call__(
+    self, x_BLD, pos_BL, posenc, *, segment_ids_BL=None, dropout_key=None, rotary_state=None
+  ):
+    """x [B, L, D] at positions [B, L] -> [B, L, D]; `dropout_key` None = no dropout.
+
+    `rotary_state` is `posenc.prepare` of the whole pass (None: prepared from `pos_BL`).
+    """
     o_BLHK = self.attn.attend(
-      q_BLHK,
-      k_BLGK,
-      v_BLGK,
+      *self.attn.qkv(self.attn_norm(x_BLD) if self.pre_norm else x_BLD),
       pos_BL,
       posenc,
       segment_ids_BL=segment_ids_BL,
       dropout_key=_fold(dropout_key, 0),
+      rotary_state=rotary_state,
     )
+    return _seqwise(self._out_and_mlp, o_BLHK, x_BLD, block=self.seq_block, key=dropout_key)
 
-    def project_out_and_mlp(key, o_BLHK, x_BLD):
-      x_BLD = x_BLD + _dropout(self.attn.out(o_BLHK), self.dropout_rate, _fold(key, 1))
-      if not self.pre_norm:
-        x_BLD = self.attn_norm(x_BLD)
-      h_BLD = self.mlp_norm(x_BLD) if self.pre_norm else x_BLD
-      x_BLD = x_BLD + _dropout(self.mlp(h_BLD), self.dropout_rate, _fold(key, 2))
-      return x_BLD if self.pre_norm else self.mlp_norm(x_BLD)
+  def decode(self, x_BLD, pos_BL, posenc, cache, rotary_state):
+    """Cached step over L new tokens (see `Decoder.decode`): ([B, L, D], updated cache)."""
+    h_BLD = self.attn_norm(x_BLD) if self.pre_norm else x_BLD
+    o_BLHK, cache = self.attn.decode(h_BLD, pos_BL, posenc, cache, rotary_state=rotary_state)
+    return self._out_and_mlp(None, o_BLHK, x_BLD), cache
 
-    return _seqwise(project_out_and_mlp, o_BLHK, x_BLD, block=self.seq_block, key=dropout_key)
+  def _out_and_mlp(self, key, o_BLHK, x_BLD):
+    x_BLD = x_BLD + _dropout(self.attn.out(o_BLHK), self.dropout_rate, _fold(key, 1))
+    if not self.pre_norm:
+      x_BLD = self.attn_norm(x_BLD)
+    h_BLD = self.mlp_norm(x_BLD) if self.pre_norm else x_BLD
+    x_BLD = x_BLD + _dropout(self.mlp(h_BLD), self.dropout_rate, _fold(key, 2))
+    return x_BLD if self.pre_norm else self.mlp_norm(x_BLD)
 
 
 class Mlp(nnx.Module):
@@ -426,7 +516,7 @@ def _posenc(cfg, emb_dim, *, causal, rngs):
   return make_posenc(
     cfg.posenc,
     num_heads=cfg.num_heads,
-    head_dim=resolve_head_dim(cfg),
+    head_dim=ATTENTIONS[cfg.attention].rotary_head_dim(cfg, resolve_head_dim(cfg)),
     emb_dim=emb_dim,
     causal=causal,
     param_dtype=DTYPES[cfg.param_dtype],

@@ -135,7 +135,7 @@ def test_xpos_refuses_spans_its_float32_scales_cannot_hold():
     assert bool(jnp.all(jnp.isfinite(top))) == finite, span
     if not finite:
       with pytest.raises(ValueError, match="xpos"):
-        model.posenc.scales(kpos_1S, kpos_1S, 1.0)
+        model.posenc.scales(kpos_1S, kpos_1S, model.posenc.prepare(kpos_1S))
 
 
 # ---- Blockwise causal attention (xPos) ----

@@ -1,8 +1,10 @@
-"""The positional-encoding interface: a module with three identity hooks (embed, rotate, bias).
+"""The positional-encoding interface: identity hooks (embed, prepare + rotate, bias).
 
 Legend: B batch, L query length, S key length, H query heads, G key/value heads, K head dim,
 D model dim.
 """
+
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -14,8 +16,9 @@ from roformer.posenc_config import PosEncConfig
 class PosEnc(nnx.Module):
   """Base class: every hook is the identity, so a subclass overrides only the sites it acts at.
 
-  The model creates one instance, calls `embed` once on the token embeddings and hands the
-  instance to every attention layer, which calls `rotate` and `bias` unconditionally.
+  The model creates one instance, calls `embed` once on the token embeddings, calls `prepare`
+  once per forward pass (or decode step) on all key positions, and hands the instance and the
+  prepared state to every attention layer, which calls `rotate` and `bias` unconditionally.
 
   Class attributes answer what other code asks of an encoding (never `kind == ...` elsewhere):
     paper_embed_scale: the token-embedding scale its paper trained with, `model.embed_scale="auto"`
@@ -74,16 +77,49 @@ class PosEnc(nnx.Module):
         "set posenc.scaling.kind='none'"
       )
 
+  @classmethod
+  def acts_on_logits(cls) -> bool:
+    """Whether the encoding adds a bias to attention logits (attention kinds without logits,
+    such as linear attention, cannot honour it)."""
+    return cls.bias is not PosEnc.bias
+
   def embed(self, x_BLD: jax.Array, pos_BL: jax.Array) -> jax.Array:
     """Adds absolute position information to token embeddings [B, L, D] (identity here)."""
     del pos_BL
     return x_BLD
 
+  def prepare(self, kpos_BS: jax.Array) -> Any:
+    """The rotary state (e.g. frequencies and scales) of one forward pass or decode step.
+
+    `rotate` needs state that depends on all the keys that meet in one attention (dynamic NTK
+    reads the current length, xPos a centre). The model computes it here once, from every key
+    position of the pass, and hands it to every layer; a layer may then rotate any subset of
+    keys (a block, a cache, a window) consistently. The state may depend on the positions only
+    through each row's minimum and maximum, so a decode step describes the whole sequence so
+    far by a [B, 2] array (first position, current position).
+
+    Args:
+      kpos_BS: int key positions [B, S] of the whole pass.
+
+    Returns:
+      A pytree, or None for encodings that do not rotate (here).
+    """
+    del kpos_BS
+    return None
+
   def rotate(
-    self, q_BLHK: jax.Array, k_BSGK: jax.Array, qpos_BL: jax.Array, kpos_BS: jax.Array
+    self,
+    q_BLHK: jax.Array,
+    k_BSGK: jax.Array,
+    qpos_BL: jax.Array,
+    kpos_BS: jax.Array,
+    state: Any = None,
   ) -> tuple[jax.Array, jax.Array]:
-    """Transforms queries [B, L, H, K] and keys [B, S, G, K] by position (identity here)."""
-    del qpos_BL, kpos_BS
+    """Transforms queries [B, L, H, K] and keys [B, S, G, K] by position (identity here).
+
+    `state` is `prepare`'s result; None means `prepare(kpos_BS)` (the keys given are all keys).
+    """
+    del qpos_BL, kpos_BS, state
     return q_BLHK, k_BSGK
 
   def bias(self, qpos_BL: jax.Array, kpos_BS: jax.Array) -> jax.Array | None:

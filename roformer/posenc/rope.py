@@ -6,6 +6,7 @@ whole turns. Rotation happens in float32 and the result is cast back to the inpu
 """
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -117,13 +118,27 @@ def _check_qk(q_BLHK, k_BSGK, qpos_BL, kpos_BS, head_dim):
   check_positions(kpos_BS, "kpos_BS", k_BSGK.shape[:2])
 
 
+class RotaryState(NamedTuple):
+  """What one forward pass (or decode step) rotates every layer's queries and keys with.
+
+  inv_freq: float32 [d/2] inverse frequencies (dynamic NTK: for the pass's length).
+  attention_factor: the scaling's multiplier of sin and cos (a float or float32 scalar).
+  centre_B1: xPos's per-row centre (int [B, 1]); None for RoPE.
+  """
+
+  inv_freq: jax.Array
+  attention_factor: float | jax.Array
+  centre_B1: jax.Array | None = None
+
+
 class Rope(PosEnc):
   """Rotary position embedding on the first `rope_fraction` of each head's dims.
 
   Scores depend on positions only through m - n. The `posenc.scaling` of the config rescales
   the frequencies (`rope_frequencies`); its attention factor multiplies sin and cos. Dynamic
-  NTK reads the current length as max(kpos_BS) + 1, a traced value inside jit, so the keys of
-  one `rotate` call must be the whole sequence the frequencies should adapt to.
+  NTK reads the current length as max(kpos_BS) + 1, a traced value inside jit: `prepare` takes
+  it from all key positions of a forward pass (or a decode step), and every layer rotates with
+  that one state.
   """
 
   accepts_rope_scaling = True
@@ -163,21 +178,29 @@ class Rope(PosEnc):
     )
     return truncate_frequencies(inv_freq, self.cfg.rope_truncate), attention_factor
 
+  def prepare(self, kpos_BS: jax.Array) -> RotaryState:
+    """Frequencies and attention factor from all key positions of the pass (see `PosEnc`)."""
+    return RotaryState(*self.frequencies(kpos_BS))
+
   def scales(
-    self, qpos_BL: jax.Array, kpos_BS: jax.Array, attention_factor: float
+    self, qpos_BL: jax.Array, kpos_BS: jax.Array, state: RotaryState
   ) -> tuple[float | jax.Array, float | jax.Array]:
     """Multipliers of the query and key sin/cos (`rope_sin_cos`'s `scale`): the attention factor."""
     del qpos_BL, kpos_BS
-    return attention_factor, attention_factor
+    return state.attention_factor, state.attention_factor
 
-  def rotate(self, q_BLHK, k_BSGK, qpos_BL, kpos_BS):
-    """Rotates q [B, L, H, K] and k [B, S, G, K] (G may be < H); dtypes are preserved."""
+  def rotate(self, q_BLHK, k_BSGK, qpos_BL, kpos_BS, state=None):
+    """Rotates q [B, L, H, K] and k [B, S, G, K] (G may be < H); dtypes are preserved.
+
+    `state` is `prepare`'s result for the pass; None computes it from `kpos_BS`.
+    """
     _check_qk(q_BLHK, k_BSGK, qpos_BL, kpos_BS, self.head_dim)
-    inv_freq, attention_factor = self.frequencies(kpos_BS)
-    scale_q, scale_k = self.scales(qpos_BL, kpos_BS, attention_factor)
+    if state is None:
+      state = self.prepare(kpos_BS)
+    scale_q, scale_k = self.scales(qpos_BL, kpos_BS, state)
     layout = self.cfg.rope_layout
-    sin_q, cos_q = rope_sin_cos(qpos_BL, inv_freq, scale_q)
-    sin_k, cos_k = rope_sin_cos(kpos_BS, inv_freq, scale_k)
+    sin_q, cos_q = rope_sin_cos(qpos_BL, state.inv_freq, scale_q)
+    sin_k, cos_k = rope_sin_cos(kpos_BS, state.inv_freq, scale_k)
     return (
       apply_rotary(q_BLHK, sin_q, cos_q, layout=layout),
       apply_rotary(k_BSGK, sin_k, cos_k, layout=layout),
@@ -191,10 +214,11 @@ class XPos(Rope):
   by zeta^(-n/scale_base), so a score carries zeta^((m - n)/scale_base), which decays with
   distance when keys precede queries (hence causal only). The position n is centred by a
   per-row constant c = (min(kpos) + max(kpos)) // 2 before scaling: c cancels in every q.k
-  product of one `rotate` call, so scores are unchanged, while the scales stay finite far from
-  position 0 (|n - c| is at most half the key span; a longer span than `xpos_max_span`, about
-  65k positions for the defaults, is refused rather than overflowing). Queries and keys that meet
-  in one attention must therefore be rotated in the same call. Scales are float32.
+  product rotated with one state, so scores are unchanged, while the scales stay finite far
+  from position 0 (|n - c| is at most half the key span; a longer span than `xpos_max_span`,
+  about 65k positions for the defaults, is refused rather than overflowing). `prepare` fixes c
+  from all key positions of a pass, so queries and keys that meet in one attention share it.
+  Scales are float32.
 
   The paper's extrapolation results use blockwise causal attention (BCA) at inference, which
   `eval.py --bca` applies; curves without it are labelled "no BCA".
@@ -225,15 +249,20 @@ class XPos(Rope):
     zeta = (np.arange(0, d, 2, dtype=np.float64) + gamma * d) / ((1 + gamma) * d)
     return np.log(zeta).astype(np.float32)
 
-  def scales(self, qpos_BL, kpos_BS, attention_factor):
+  def prepare(self, kpos_BS: jax.Array) -> RotaryState:
+    """RoPE's state plus the per-row centre c = (min(kpos) + max(kpos)) // 2 (int [B, 1])."""
+    # Integer arithmetic so that n - c is exact.
+    c_B1 = ((jnp.min(kpos_BS, axis=1) + jnp.max(kpos_BS, axis=1)) // 2)[:, None]
+    return super().prepare(kpos_BS)._replace(centre_B1=c_B1)
+
+  def scales(self, qpos_BL, kpos_BS, state):
     """Float32 query scales zeta^((n - c)/scale_base) [B, L, d/2] and key scales [B, S, d/2].
 
     Keys get the inverse power; both are multiplied by the scaling's attention factor.
     """
     if kpos_BS.shape[1] > xpos_max_span(self.cfg):
       raise ValueError(_xpos_span_message(kpos_BS.shape[1], self.cfg))
-    # Per-row centre; integer arithmetic so that n - c is exact.
-    c_B1 = ((jnp.min(kpos_BS, axis=1) + jnp.max(kpos_BS, axis=1)) // 2)[:, None]
+    c_B1, attention_factor = state.centre_B1, state.attention_factor
     log_zeta_11k = jnp.asarray(self.log_zeta())[None, None, :]
     inv_base = 1.0 / self.cfg.xpos_scale_base
     nq_BL1 = ((qpos_BL - c_B1).astype(jnp.float32) * inv_base)[:, :, None]

@@ -143,6 +143,21 @@ def rope_frequencies(
   raise AssertionError(f"unhandled scaling kind {kind!r}")  # check_scaling rejects these
 
 
+def mla_softmax_factor(scaling: RopeScaling | Mapping[str, Any] | None) -> float:
+  """DeepSeek-V2's multiplier of the softmax scale of multi-head latent attention under YaRN.
+
+  DeepSeek multiplies d_qk^-0.5 by mscale(factor, mscale_all_dim)^2 when mscale_all_dim is set
+  (its sin/cos then carry mscale(factor, mscale) / mscale(factor, mscale_all_dim), the attention
+  factor of `rope_frequencies`); 1 otherwise.
+  """
+  s = scaling_fields(scaling)
+  if s is None or s["kind"] != "yarn" or not s["mscale_all_dim"]:
+    return 1.0
+  factor, m = float(s["factor"]), float(s["mscale_all_dim"])
+  mscale = 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+  return mscale * mscale
+
+
 def _f32(x: np.ndarray) -> jax.Array:
   return jnp.asarray(np.asarray(x, np.float32))
 

@@ -1,0 +1,124 @@
+"""Sliding-window self-attention that visits only the key blocks inside the window.
+
+`chunked_attention` hands windowed self-attention here: for each query block the kernel scans
+only the key blocks that can hold a key within `window` positions, so time is O(L * (w + block))
+and memory O(L * block) instead of a scan over every key block. Which blocks can hold such a key
+is decided by index, assuming that within a segment positions advance by at least one per token
+(true of every layout here: arange windows, packed documents restarting at 0 in a new segment,
+shifted evaluation windows); then a key more than w - 1 indices away is more than w - 1
+positions away, or in another segment, and masked anyway. Inside the visited blocks the mask of
+`attention_mask` decides exactly, so the result equals the dense kernel's.
+
+Dimension legend as roformer/attention.py; b is the block, N the number of key blocks visited.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from roformer import attention as attn
+
+
+def visited_blocks(length: int, block: int, window: int, causal: bool) -> int:
+  """Key blocks a query block must visit (an upper bound); >= the block count means all."""
+  b = min(block, length)
+  # Query rows [s, s + b) need keys [s - w + 1, s + b - 1] (causal) or up to s + b + w - 2.
+  span = b + (window - 1) * (1 if causal else 2)
+  return (span - 1) // b + 2
+
+
+def banded_attention(
+  q_BLHK,
+  k_BLGK,
+  v_BLGK,
+  qpos_BL,
+  kpos_BL,
+  *,
+  qseg_BL=None,
+  kseg_BS=None,
+  causal: bool = False,
+  window: int,
+  window_kind: str = "sliding",
+  bias_fn=None,
+  dropout_rate: float = 0.0,
+  dropout_key=None,
+  block: int = 512,
+):
+  """Self-attention (S = L) under a sliding window w > 0; arguments as `chunked_attention`.
+
+  Query blocks run in a fori_loop writing over the queries in place (as `chunked_attention`);
+  for each, a scan visits N = `visited_blocks` key blocks starting at the block of index
+  start - w + 1, and a block index outside [0, nk) is masked out entirely.
+  """
+  B, L, H, K = q_BLHK.shape
+  G = k_BLGK.shape[2]
+  R = H // G
+  if k_BLGK.shape[1] != L:
+    raise ValueError(f"banded attention is self-attention: {L} queries but {k_BLGK.shape[1]} keys")
+  b = min(block, L)
+  nb = -(-L // b)
+  n_visit = min(visited_blocks(L, block, window, causal), nb)
+  if qseg_BL is None:
+    qseg_BL = kseg_BS = jnp.zeros((B, L), jnp.int32)
+  # [nb, B, b, ...]; padded keys are excluded by `kvalid`.
+  k_blocks = tuple(
+    attn.split_blocks(x, b) for x in (k_BLGK, v_BLGK, kpos_BL, kseg_BS, jnp.ones((B, L), bool))
+  )
+
+  @jax.checkpoint
+  def query_block(qi, start, q_BbHK, qpos_Bb, qseg_Bb):
+    q_BbGRK = attn._split_heads(q_BbHK, G)
+    first = jnp.floor_divide(start - (window - 1), b)
+
+    def key_block(carry, j):
+      ki = first + j
+      inside = (ki >= 0) & (ki < nb)
+      k_BbGK, v_BbGK, kpos_Bb, kseg_Bb, kvalid_Bb = (
+        jax.lax.dynamic_index_in_dim(x, jnp.clip(ki, 0, nb - 1), 0, keepdims=False)
+        for x in k_blocks
+      )
+      mask_BbBb = attn.attention_mask(
+        qpos_Bb, kpos_Bb, qseg_Bb, kseg_Bb, causal=causal, window=window, window_kind=window_kind
+      )
+      mask_B11bb = (mask_BbBb & kvalid_Bb[:, None, :] & inside)[:, None, None]
+      m_BGRb, l_BGRb, acc_BGRbK = carry
+      bias = None if bias_fn is None else bias_fn(qpos_Bb, kpos_Bb)
+      s_BGRbb = jnp.where(mask_B11bb, attn._scores(q_BbGRK, k_BbGK, bias), attn._NEG)
+      m_new_BGRb = jnp.maximum(m_BGRb, s_BGRbb.max(axis=-1))
+      p_BGRbb = jnp.where(mask_B11bb, jnp.exp(s_BGRbb - m_new_BGRb[..., None]), 0.0)
+      correction_BGRb = jnp.exp(m_BGRb - m_new_BGRb)
+      l_new_BGRb = l_BGRb * correction_BGRb + p_BGRbb.sum(axis=-1)
+      if dropout_key is not None:
+        key = jax.random.fold_in(jax.random.fold_in(dropout_key, qi), ki)
+        p_BGRbb = attn.dropout(p_BGRbb, dropout_rate, key)
+      pv_BGRbK = jnp.einsum(
+        "bgrqk,bkgd->bgrqd",
+        p_BGRbb.astype(v_BbGK.dtype),
+        v_BbGK,
+        preferred_element_type=jnp.float32,
+      )
+      return (m_new_BGRb, l_new_BGRb, acc_BGRbK * correction_BGRb[..., None] + pv_BGRbK), None
+
+    init = (
+      jnp.full((B, G, R, b), attn._NEG, jnp.float32),
+      jnp.zeros((B, G, R, b), jnp.float32),
+      jnp.zeros((B, G, R, b, K), jnp.float32),
+    )
+    (_, l_BGRb, acc_BGRbK), _ = jax.lax.scan(jax.checkpoint(key_block), init, jnp.arange(n_visit))
+    o_BGRbK = acc_BGRbK / jnp.where(l_BGRb == 0.0, 1.0, l_BGRb)[..., None]
+    return jnp.transpose(o_BGRbK, (0, 3, 1, 2, 4)).reshape(B, b, H, K).astype(q_BLHK.dtype)
+
+  def write_query_block(qi, qo_BLHK):
+    # As chunked_attention: rows before qi * b hold outputs, the rest still hold queries.
+    start = jnp.minimum(qi * b, L - b)
+    q_BbHK, qpos_Bb, qseg_Bb = (
+      jax.lax.dynamic_slice_in_dim(x, start, b, axis=1) for x in (qo_BLHK, qpos_BL, qseg_BL)
+    )
+    o_BbHK = query_block(qi, start, q_BbHK, qpos_Bb, qseg_Bb)
+    if L % b:
+      done_1b11 = (start + jnp.arange(b) < qi * b)[None, :, None, None]
+      o_BbHK = jnp.where(done_1b11, q_BbHK, o_BbHK)
+    return jax.lax.dynamic_update_slice_in_dim(qo_BLHK, o_BbHK, start, axis=1)
+
+  return jax.lax.fori_loop(0, nb, write_query_block, q_BLHK)

@@ -1,0 +1,198 @@
+"""Text generation from a decoder with per-layer decoding caches.
+
+The prompt is prefilled in one call (one forward pass that also fills the caches), then each new
+token costs one decode step over the caches; `generate` compiles the prefill and a scan of
+decode steps into one program. Every attention kind brings its own cache
+(`roformer.attention_kinds`): softmax layers cache `num_kv_heads` unrotated keys and values (a
+ring buffer of w slots under a sliding window w), multi-head latent attention its latent and
+rotary key, causal linear attention its recurrent state. Positions are 0 .. P + N - 1 in every
+row.
+
+The rotary state (`PosEnc.prepare`) is prepared once per generation, from the span of all its
+positions 0 .. P + N - 1, and every step rotates with it. For most encodings the state does not
+depend on the span (xPos's centre cancels in every score). For dynamic NTK this is a choice:
+the generation runs at the frequencies of its final length P + N. A dynamic-NTK model is not
+prefix-consistent: when the length grows past the original one, the frequencies change, and so
+do the hidden states of every earlier token in every layer, so no cache (of rotated keys, the
+known inconsistency of transformers #25104, or of unrotated keys re-rotated per step) can equal
+a forward pass over the prefix once a model has two layers. With one state for the generation,
+each step's logits equal those of a full forward pass over the whole generated sequence (at any
+step, with any tokens after it), keys cached at different steps are consistent, and the
+frequencies used never depend on when a token was produced. Up to the original length, dynamic
+NTK is plain RoPE and the choice changes nothing.
+
+Legend: B batch, P prompt length, N new tokens, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from roformer import model as model_lib
+
+
+def sample_next(
+  logits_BV: jax.Array,
+  key: jax.Array | None,
+  *,
+  temperature: float = 0.0,
+  top_k: int = 0,
+  top_p: float = 1.0,
+) -> jax.Array:
+  """The next token of each row: argmax at temperature 0, else a draw from the filtered softmax.
+
+  top_k > 0 keeps the k most likely tokens; top_p < 1 keeps the smallest set of most likely
+  tokens whose probability reaches top_p (nucleus sampling); both may be combined.
+
+  Returns:
+    int32 [B].
+  """
+  if temperature == 0.0:
+    return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+  logits_BV = logits_BV.astype(jnp.float32) / temperature
+  if top_k > 0:
+    kth_B1 = jax.lax.top_k(logits_BV, min(top_k, logits_BV.shape[-1]))[0][:, -1:]
+    logits_BV = jnp.where(logits_BV < kth_B1, -jnp.inf, logits_BV)
+  if top_p < 1.0:
+    sorted_BV = jnp.sort(logits_BV, axis=-1)[:, ::-1]
+    probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
+    # A token stays if the tokens more likely than it have not reached top_p yet.
+    before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
+    kept_BV = before_BV < top_p
+    threshold_B1 = jnp.min(jnp.where(kept_BV, sorted_BV, jnp.inf), axis=-1, keepdims=True)
+    logits_BV = jnp.where(logits_BV < threshold_B1, -jnp.inf, logits_BV)
+  return jax.random.categorical(key, logits_BV, axis=-1).astype(jnp.int32)
+
+
+def _check(model, prompt_BP, max_new_tokens, temperature, top_k, top_p):
+  if not isinstance(model, model_lib.Decoder):
+    raise ValueError(
+      "generate needs a causal decoder (model.kind='decoder'); an encoder (masked LM) predicts "
+      "masked tokens from both sides and has no next-token distribution to sample"
+    )
+  if model.cfg.scan_layers:
+    raise ValueError(
+      "generate decodes layer by layer from per-layer caches; model.scan_layers=True stacks the "
+      "layers: evaluate or fine-tune with model.scan_layers=False to generate"
+    )
+  if model.cfg.attention_window and model.cfg.attention_window_kind == "blockwise":
+    raise ValueError(
+      "generate keeps a sliding-window ring buffer; model.attention_window_kind='blockwise' "
+      "(xPos's BCA) is an evaluation setting it does not decode"
+    )
+  if prompt_BP.ndim != 2 or prompt_BP.shape[1] < 1:
+    raise ValueError(f"prompt must be int tokens [B, P] with P >= 1, got {prompt_BP.shape}")
+  if max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+  if temperature < 0:
+    raise ValueError(f"temperature={temperature} must be >= 0 (0 = greedy)")
+  if top_k < 0:
+    raise ValueError(f"top_k={top_k} must be >= 0 (0 = no top-k filter)")
+  if not 0.0 < top_p <= 1.0:
+    raise ValueError(f"top_p={top_p} must be in (0, 1] (1 = no nucleus filter)")
+  # E.g. a learned position table must cover every generated position.
+  model_lib.validate_model(model.cfg, seq_len=prompt_BP.shape[1] + max_new_tokens)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _decode(graphdef, state, tokens_BL, positions_BL, caches, rotary_state):
+  model = nnx.merge(graphdef, state)
+  logits_BLV, caches = model.decode(tokens_BL, positions_BL, caches, rotary_state)
+  return logits_BLV[:, -1], caches
+
+
+def _prepare(posenc, batch, length):
+  span_B2 = jnp.broadcast_to(jnp.asarray([0, length - 1], jnp.int32), (batch, 2))
+  return posenc.prepare(span_B2)
+
+
+def _positions(start, length, batch):
+  return jnp.broadcast_to(jnp.arange(start, start + length, dtype=jnp.int32), (batch, length))
+
+
+def cached_logits(model, tokens_BT: jax.Array, prompt_len: int) -> jax.Array:
+  """Next-token logits at positions prompt_len - 1 .. T - 1, computed with the caches.
+
+  The prompt tokens[:, :prompt_len] are prefilled in one call and the rest are fed one decode
+  step at a time (teacher forcing). Row t equals the last-position logits of a full forward pass
+  over tokens[:, :prompt_len + t] (for dynamic NTK: over all of tokens, see the module's doc).
+
+  Returns:
+    float32 [B, T - prompt_len + 1, V].
+  """
+  B, T = tokens_BT.shape
+  graphdef, state = nnx.split(model)
+  caches = model.init_caches(B, T)
+  rotary = _prepare(model.posenc, B, T)
+  prompt_BP = tokens_BT[:, :prompt_len]
+  logits_BV, caches = _decode(
+    graphdef, state, prompt_BP, _positions(0, prompt_len, B), caches, rotary
+  )
+  out = [logits_BV]
+  for t in range(prompt_len, T):
+    tokens_B1 = tokens_BT[:, t : t + 1]
+    logits_BV, caches = _decode(graphdef, state, tokens_B1, _positions(t, 1, B), caches, rotary)
+    out.append(logits_BV)
+  return jnp.stack(out, axis=1)
+
+
+def generate(
+  model,
+  prompt_BP: jax.Array,
+  *,
+  max_new_tokens: int,
+  temperature: float = 0.0,
+  top_k: int = 0,
+  top_p: float = 1.0,
+  rng: jax.Array | None = None,
+) -> jax.Array:
+  """Continues each prompt row by `max_new_tokens` tokens.
+
+  Args:
+    model: a `roformer.model.Decoder` (an encoder is refused).
+    prompt_BP: int tokens [B, P], all rows of length P, at positions 0 .. P - 1.
+    max_new_tokens: N >= 1.
+    temperature: 0 = greedy (argmax); > 0 samples from softmax(logits / temperature).
+    top_k, top_p: filters of the sampled distribution (see `sample_next`).
+    rng: a PRNG key for sampling (default PRNGKey(0)); unused when greedy.
+
+  Returns:
+    int32 tokens [B, P + N]: the prompt followed by the continuation.
+  """
+  prompt_BP = jnp.asarray(prompt_BP, jnp.int32)
+  _check(model, prompt_BP, max_new_tokens, temperature, top_k, top_p)
+  B, P = prompt_BP.shape
+  rng = jax.random.PRNGKey(0) if rng is None else rng
+  graphdef, state = nnx.split(model)
+  caches = model.init_caches(B, P + max_new_tokens)
+  rotary = _prepare(model.posenc, B, P + max_new_tokens)
+  return _generate(
+    graphdef, state, prompt_BP, caches, rotary, rng, max_new_tokens=int(max_new_tokens),
+    temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
+  )  # fmt: skip
+
+
+@functools.partial(
+  jax.jit, static_argnums=0, static_argnames=("max_new_tokens", "temperature", "top_k", "top_p")
+)
+def _generate(graphdef, state, prompt_BP, caches, rotary, rng, *, max_new_tokens, **filters):
+  """Prefill, then a scan of decode steps, all in one program (no per-token dispatch)."""
+  model = nnx.merge(graphdef, state)
+  B, P = prompt_BP.shape
+  logits_BLV, caches = model.decode(prompt_BP, _positions(0, P, B), caches, rotary)
+  first_B = sample_next(logits_BLV[:, -1], jax.random.fold_in(rng, 0), **filters)
+
+  def step(carry, i):
+    # Feeds new token i - 1 (at position P + i - 1) and samples new token i.
+    token_B, caches = carry
+    positions_B1 = jnp.broadcast_to(P + i - 1, (B, 1)).astype(jnp.int32)
+    logits_B1V, caches = model.decode(token_B[:, None], positions_B1, caches, rotary)
+    next_B = sample_next(logits_B1V[:, -1], jax.random.fold_in(rng, i), **filters)
+    return (next_B, caches), next_B
+
+  _, rest_NB = jax.lax.scan(step, (first_B, caches), jnp.arange(1, max_new_tokens))
+  return jnp.concatenate([prompt_BP, first_B[:, None], rest_NB.T], axis=1)

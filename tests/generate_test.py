@@ -1,0 +1,99 @@
+"""Tests of roformer/generate.py: cached decoding equals repeated full forward passes."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import variant_helpers as vh
+
+from roformer import generate as gen
+from roformer import kv_cache
+from roformer.posenc_config import RopeScaling
+
+P, N = vh.P, vh.N
+
+
+def _scaling(kind):
+  return {"scaling": RopeScaling(kind=kind, factor=2.0, original_max_len=4)}
+
+
+ENCODINGS = [
+  ("rope", None),
+  ("xpos", None),
+  ("alibi", None),
+  ("t5", None),
+  ("sinusoidal", None),
+  ("learned", None),
+  ("nope", None),
+  ("rope", _scaling("dynamic")),
+  *[
+    pytest.param("rope", _scaling(k), marks=pytest.mark.slow)
+    for k in ("linear", "ntk", "ntk_by_parts", "yarn", "llama3")
+  ],
+  pytest.param("xpos", _scaling("dynamic"), marks=pytest.mark.slow),
+]
+
+
+def test_prefix_forward_equals_padded_forward_except_for_dynamic_ntk():
+  # The reference above pads; for an encoding whose state ignores the length, padding is
+  # invisible, so the padded reference is the plain repeated forward over the prefix.
+  toks = vh.tokens(1, P + N)
+  for fields, same in ((None, True), (_scaling("dynamic"), False)):
+    model = vh.random_model(vh.config("rope", fields))
+    prefix = vh.forward(model, toks[:, :P], vh.arange(1, P))[:, -1]
+    padded = vh.forward(model, toks, vh.arange(1, P + N))[:, P - 1]
+    assert np.allclose(prefix, padded, atol=1e-5) == same
+
+
+@pytest.mark.parametrize("posenc, fields", ENCODINGS)
+def test_cached_generation_equals_full_forward_for_every_encoding(posenc, fields):
+  vh.check_cached_generation(vh.config(posenc, fields))
+
+
+@pytest.mark.parametrize(
+  "fields",
+  [
+    dict(num_kv_heads=1),  # MQA
+    dict(num_kv_heads=4, attention_impl="chunked", attention_block=2),
+    dict(attention_window=3),  # ring buffer of 3 slots, shorter than the sequence
+    dict(attention_window_pattern="2,0"),  # local/global alternation
+  ],
+)
+def test_cached_generation_equals_full_forward_for_softmax_variants(fields):
+  vh.check_cached_generation(vh.config("t5", **fields))
+
+
+def test_kv_cache_holds_kv_heads_and_window_slots():
+  model = vh.random_model(vh.config(num_kv_heads=1, attention_window_pattern="3,0"))
+  local, full = model.init_caches(2, 10)
+  assert local.k_BCGK.shape == (2, 3, 1, 4)  # the ring buffer of the window
+  assert full.k_BCGK.shape == (2, 10, 1, 4)
+
+
+def test_slot_positions_of_a_ring_buffer():
+  pos, valid = kv_cache.slot_positions(jnp.int32(7), 3)  # positions 0..6 written
+  np.testing.assert_array_equal(pos, [6, 4, 5])
+  np.testing.assert_array_equal(valid, [True, True, True])
+  pos, valid = kv_cache.slot_positions(jnp.int32(2), 4)
+  np.testing.assert_array_equal(valid, [True, True, False, False])
+
+
+def test_sampling_filters_keep_only_allowed_tokens():
+  logits_BV = jnp.log(jnp.asarray([[0.5, 0.3, 0.15, 0.05]] * 64))
+  keys = jax.random.split(jax.random.PRNGKey(0), 8)
+  draws = np.concatenate([gen.sample_next(logits_BV, k, temperature=1.0, top_k=2) for k in keys])
+  assert set(draws.tolist()) == {0, 1}
+  draws = np.concatenate([gen.sample_next(logits_BV, k, temperature=1.0, top_p=0.9) for k in keys])
+  assert set(draws.tolist()) == {0, 1, 2}  # 0.5 + 0.3 < 0.9 <= 0.5 + 0.3 + 0.15
+  np.testing.assert_array_equal(gen.sample_next(logits_BV, None), np.zeros(64))
+
+
+def test_encoders_and_bad_arguments_are_refused_with_the_reason():
+  encoder = vh.random_model(vh.config(kind="encoder", num_kv_heads=0))
+  with pytest.raises(ValueError, match="causal decoder"):
+    gen.generate(encoder, vh.tokens(1, 2), max_new_tokens=1)
+  decoder = vh.random_model(vh.config())
+  with pytest.raises(ValueError, match="top_p"):
+    gen.generate(decoder, vh.tokens(1, 2), max_new_tokens=1, top_p=0.0)
+  with pytest.raises(ValueError, match="max_len"):
+    gen.generate(vh.random_model(vh.config("learned")), vh.tokens(1, 60), max_new_tokens=10)
