@@ -74,6 +74,12 @@ def _check(model, prompt_BP, max_new_tokens, temperature, top_k, top_p):
       "generate needs a causal decoder (model.kind='decoder'); an encoder (masked LM) predicts "
       "masked tokens from both sides and has no next-token distribution to sample"
     )
+  if model.posenc.content_bias is not None:
+    raise ValueError(
+      f"posenc.kind={model.cfg.posenc.kind!r} biases attention by queries and keys together "
+      "(a content-dependent position), which the decoding cache does not compute; it is "
+      "evaluated with full forward passes (eval.py)"
+    )
   if model.cfg.scan_layers:
     raise ValueError(
       "generate decodes layer by layer from per-layer caches; model.scan_layers=True stacks the "

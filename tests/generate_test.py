@@ -25,6 +25,9 @@ ENCODINGS = [
   ("sinusoidal", None),
   ("learned", None),
   ("nope", None),
+  ("kerple", None),
+  ("fire", None),
+  ("sandwich", None),
   ("rope", _scaling("dynamic")),
   *[
     pytest.param("rope", _scaling(k), marks=pytest.mark.slow)
@@ -97,3 +100,9 @@ def test_encoders_and_bad_arguments_are_refused_with_the_reason():
     gen.generate(decoder, vh.tokens(1, 2), max_new_tokens=1, top_p=0.0)
   with pytest.raises(ValueError, match="max_len"):
     gen.generate(vh.random_model(vh.config("learned")), vh.tokens(1, 60), max_new_tokens=10)
+
+
+def test_generation_refuses_a_content_dependent_encoding():
+  model = vh.random_model(vh.config("cope", None))
+  with pytest.raises(ValueError, match="posenc.kind='cope'.*decoding cache"):
+    gen.generate(model, vh.tokens(1, 4), max_new_tokens=2)
