@@ -169,8 +169,14 @@ def main():
       run.overrides["train.global_batch_size"] = max(1, batch // 2)
       run.overrides["posenc.max_len"] = 2 * scale.seq_len
   print(f"extrapolation grid, scale {args.scale}, corpus {args.corpus}: {len(runs)} runs -> {out}")
-  records = grid.run_grid(runs, base=scale.base, common=common, out=out, workroot=workroot)
-  report.write_extrapolation(records, out, seq_len=scale.seq_len, scale=args.scale)
+
+  def write_report(records):
+    report.write_extrapolation(records, out, seq_len=scale.seq_len, scale=args.scale)
+
+  records = grid.run_grid(
+    runs, base=scale.base, common=common, out=out, workroot=workroot, report=write_report
+  )
+  write_report(records)
   print(f"wrote {out}/results.csv, table.md, encodings.png, scalings.png")
 
 

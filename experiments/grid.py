@@ -160,9 +160,19 @@ class Progress:
 
 
 def run_grid(
-  runs: Sequence[Run], *, base: str, common: dict, out: pathlib.Path, workroot: pathlib.Path
+  runs: Sequence[Run],
+  *,
+  base: str,
+  common: dict,
+  out: pathlib.Path,
+  workroot: pathlib.Path,
+  report: Callable[[list[dict]], None] | None = None,
 ) -> list[dict]:
-  """Trains and evaluates every run not yet done; returns every run's record (OUT/<run>.json)."""
+  """Trains and evaluates every run not yet done; returns every run's record (OUT/<run>.json).
+
+  `report(records)` rewrites the grid's tables and plots after each finished run, so a grid
+  stopped part-way leaves results for the runs it finished.
+  """
   from roformer import train_lib
 
   out.mkdir(parents=True, exist_ok=True)
@@ -211,6 +221,8 @@ def run_grid(
     path.write_text(json.dumps(record, indent=2) + "\n")
     records.append(record)
     progress.end(started)
+    if report is not None:
+      report(records)
   return records
 
 

@@ -106,8 +106,14 @@ def main():
   }
   runs = grid_runs(scale, only)
   print(f"MLM grid, scale {args.scale}, corpus {args.corpus}: {len(runs)} runs -> {out}")
-  records = grid.run_grid(runs, base=scale["base"], common=common, out=out, workroot=workroot)
-  report.write_mlm(records, out, seq_len=scale["seq_len"], scale=args.scale)
+
+  def write_report(records):
+    report.write_mlm(records, out, seq_len=scale["seq_len"], scale=args.scale)
+
+  records = grid.run_grid(
+    runs, base=scale["base"], common=common, out=out, workroot=workroot, report=write_report
+  )
+  write_report(records)
   print(f"wrote {out}/results.csv, table.md, curves.png")
 
 
