@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from roformer import attention
-from roformer.posenc import make_posenc
+from roformer.posenc import POSENCS, make_posenc
 from roformer.posenc_config import POSENC_KINDS, PosEncConfig, RopeScaling
 
 B, L, H, G, K = 2, 37, 4, 2, 8  # L is not a multiple of BLOCK
@@ -90,7 +90,7 @@ def test_chunked_matches_dense_for_every_mask_combination():
 @pytest.mark.slow
 @pytest.mark.parametrize(("kind", "scaling"), POSENC_CASES)
 def test_chunked_matches_dense_for_every_posenc_and_mask_combination(kind, scaling):
-  causals = (True,) if kind in ("xpos", "cope") else (True, False)  # causal only
+  causals = (True,) if POSENCS[kind].causal_only else (True, False)
   variants = [(c, s, w) for c in causals for s in (False, True) for w in (0, 6)]
   for variant, diff in _max_kernel_diffs(kind, scaling, variants).items():
     assert diff < 1e-5, variant
