@@ -119,4 +119,7 @@ if __name__ == "__main__":
   # libtpu reads these to find the slice of the machine it runs on; compiling for a described
   # topology needs none of them, so keep its start-up quiet and local.
   os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+  # No TPU is opened, so several compiles may share the machine (libtpu otherwise holds a
+  # machine-wide lockfile and refuses a second process).
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   app.run(main)
