@@ -608,7 +608,9 @@ def _train(loop: train_loop.Loop) -> None:
       if stop:
         loop.manager.wait_until_finished()
         logging.warning(
-          "%s received: saved the checkpoint of step %d; exiting.", watcher.signal_name, done
+          "%s received: saved the checkpoint of step %d; exiting.",
+          watcher.signal_name or "A stop request from another process",
+          done,
         )
         return
       if due.eval:
