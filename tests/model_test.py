@@ -521,7 +521,7 @@ def test_bfloat16_compute_keeps_float32_parameters_and_gradients():
   assert model16.hidden(tokens, positions).dtype == jnp.bfloat16
   loss = lambda m: jnp.mean(jax.nn.log_softmax(m(tokens, positions))[..., 0])  # noqa: E731
   grads = nnx.grad(loss)(model16)
-  assert {x.dtype for x in jax.tree.leaves(nnx.state(model16, nnx.Param))} == {jnp.float32}
-  assert {x.dtype for x in jax.tree.leaves(grads)} == {jnp.float32}
+  assert {x.dtype for x in jax.tree.leaves(nnx.state(model16, nnx.Param))} == {np.dtype(np.float32)}
+  assert {x.dtype for x in jax.tree.leaves(grads)} == {np.dtype(np.float32)}
   # bfloat16 keeps ~3 significant digits; float32 softmax and norms keep the loss close.
   np.testing.assert_allclose(loss(model16), loss(model32), rtol=2e-2)
