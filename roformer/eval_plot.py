@@ -137,7 +137,19 @@ def compare_runs(sources: Sequence[str], plot, *, name: str = DEFAULT_NAME) -> e
   Returns:
     The PNG path.
   """
-  runs = []
+  runs = [
+    (run_label(workdir.name, result), result, training_length(workdir))
+    for workdir, result in read_results(sources, name, hint="")
+  ]
+  return plot_runs(runs, plot)
+
+
+def read_results(sources: Sequence[str], name: str, *, hint: str) -> list[tuple]:
+  """(workdir, JSON dict) of each source: a workdir (its DIR/eval/NAME.json) or a JSON path.
+
+  `hint` completes the eval.py command the error suggests when a JSON is missing.
+  """
+  results = []
   for source in sources:
     path = epath.Path(source)
     workdir = path.parent.parent if path.suffix == ".json" else path
@@ -145,11 +157,10 @@ def compare_runs(sources: Sequence[str], plot, *, name: str = DEFAULT_NAME) -> e
       path = path / "eval" / f"{name}.json"
     if not path.exists():
       raise FileNotFoundError(
-        f"{path} does not exist: run `python eval.py --workdir={workdir}` first"
+        f"{path} does not exist: run `python eval.py --workdir={workdir}{hint}` first"
       )
-    result = json.loads(path.read_text())
-    runs.append((run_label(workdir.name, result), result, training_length(workdir)))
-  return plot_runs(runs, plot)
+    results.append((workdir, json.loads(path.read_text())))
+  return results
 
 
 def training_length(workdir) -> int:

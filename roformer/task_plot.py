@@ -4,7 +4,6 @@ No JAX here, so `eval.py --compare` draws task results without loading a model.
 """
 
 import io
-import json
 from collections.abc import Sequence
 
 import matplotlib
@@ -13,6 +12,8 @@ matplotlib.use("Agg")  # headless: eval runs on servers and TPU VMs
 
 import matplotlib.pyplot as plt  # noqa: E402
 from etils import epath  # noqa: E402
+
+from roformer import eval_plot  # noqa: E402
 
 # NAME of DIR/eval/NAME.json and .png written by `eval.py --task_lengths`.
 DEFAULT_NAME = "task_vs_length"
@@ -91,16 +92,6 @@ def plot_passkey_heatmap(result: dict, path) -> epath.Path:
 
 def compare_runs(sources: Sequence[str], plot, *, name: str = DEFAULT_NAME) -> epath.Path:
   """Draws several runs' task JSON (DIR/eval/NAME.json, or JSON paths) in one plot."""
-  runs = []
-  for source in sources:
-    path = epath.Path(source)
-    workdir = path.parent.parent if path.suffix == ".json" else path
-    if path.suffix != ".json":
-      path = path / "eval" / f"{name}.json"
-    if not path.exists():
-      raise FileNotFoundError(
-        f"{path} does not exist: run `python eval.py --workdir={workdir} --task_lengths=...` first"
-      )
-    result = json.loads(path.read_text())
-    runs.append((run_label(workdir.name, result), result))
+  results = eval_plot.read_results(sources, name, hint=" --task_lengths=...")
+  runs = [(run_label(workdir.name, result), result) for workdir, result in results]
   return plot_task_runs(runs, plot)
