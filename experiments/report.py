@@ -92,9 +92,7 @@ def write_extrapolation(records: Sequence[dict], out: pathlib.Path, *, seq_len: 
   (out / "table.md").write_text("\n".join(lines))
 
   def label(record, ev):
-    name = record["run"]
-    notes = list(ev["result"].get("notes", []))
-    return f"{name} ({', '.join(notes)})" if notes else name
+    return eval_plot.run_label(record["run"], {**ev["result"], "posenc": record["run"]})
 
   encodings = grid.eval_lines(
     records,

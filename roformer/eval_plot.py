@@ -34,8 +34,14 @@ def run_label(name: str, result: dict) -> str:
       if isinstance(factor, str)
       else f"{scaling['kind']} x{factor:g}"
     )
-  details.extend(result.get("notes", []))
+  # The stride belongs to the sliding curves only: `plot_runs` puts it there.
+  details.extend(n for n in result.get("notes", []) if not n.startswith("stride"))
   return f"{name} ({', '.join(details)})" if details else name
+
+
+def _protocol_label(protocol: str, result: dict) -> str:
+  strides = [n for n in result.get("notes", []) if n.startswith("stride")]
+  return f"{protocol} ({strides[0]})" if protocol == "sliding" and strides else protocol
 
 
 def plot_runs(runs: Sequence[tuple[str, dict, int]], path, *, title: str = "") -> epath.Path:
@@ -66,7 +72,9 @@ def plot_runs(runs: Sequence[tuple[str, dict, int]], path, *, title: str = "") -
         continue
       xs, ys = zip(*points, strict=True)
       all_lengths.update(xs)
-      line_label = label if len(protocols) == 1 else f"{label}, {protocol}"
+      line_label = f"{label}, {_protocol_label(protocol, result)}"
+      if len(protocols) == 1 and protocol == "nonoverlapping":
+        line_label = label
       skipped = [r["length"] for r in result["records"] if "skipped" in r]
       if skipped:
         line_label += f" (skipped L>={min(skipped)})"
