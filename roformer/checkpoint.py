@@ -4,7 +4,10 @@ A checkpoint holds the items "model" (nnx.state of the model), "optimizer" (nnx.
 optimizer) and "meta" (JSON: step and the data iterator position).
 """
 
+import contextlib
+import logging as logging_std
 import signal
+import sys
 import threading
 from typing import Any
 
@@ -97,9 +100,11 @@ def restore_latest_readable(manager, abstract_model: Any, abstract_opt: Any) -> 
     CheckpointNotFoundError (one line) when no checkpoint reads back.
   """
   unreadable = []
+  _drop_closed_loop_reports()  # a damaged step's pending reads report as they finish
   for step in sorted(manager.all_steps(), reverse=True):
     try:
-      model_state, opt_state, meta = restore(manager, step, abstract_model, abstract_opt)
+      with _orbax_logs_silenced():
+        model_state, opt_state, meta = restore(manager, step, abstract_model, abstract_opt)
     except Exception as e:  # Orbax and TensorStore raise many types for damaged files
       logging.warning(
         "The checkpoint of step %d in %s is unreadable (%s); trying the previous one.",
@@ -115,6 +120,65 @@ def restore_latest_readable(manager, abstract_model: Any, abstract_opt: Any) -> 
     f"no checkpoint in {manager.directory} reads back ({details}); move that directory away to "
     "train from scratch"
   )
+
+
+class _NotOrbax(logging_std.Filter):
+  def filter(self, record: logging_std.LogRecord) -> bool:
+    return "/orbax/" not in record.pathname
+
+
+@contextlib.contextmanager
+def _orbax_logs_silenced():
+  """Drops Orbax's own log records (it logs a damaged array's error with a traceback before
+  raising it); `restore_latest_readable` reports the failure itself, in one line."""
+  loggers = [logging_std.getLogger("absl"), logging_std.getLogger()]
+  handlers = [h for logger in loggers for h in logger.handlers]
+  drop = _NotOrbax()
+  for target in loggers + handlers:
+    target.addFilter(drop)
+  try:
+    yield
+  finally:
+    for target in loggers + handlers:
+      target.removeFilter(drop)
+
+
+def _drop_closed_loop_reports() -> None:
+  """After a failed restore, Orbax's other pending reads of the damaged step finish after its
+  event loop closed: each prints "RuntimeError: Event loop is closed", or is garbage-collected
+  with its read error ("Exception ignored in: <coroutine ...>", "Task exception was never
+  retrieved"). Those reports say nothing the one-line warning does not: drop exactly them
+  (sys.excepthook, sys.unraisablehook and asyncio's log keep every other error)."""
+  if getattr(sys.excepthook, "drops_closed_loop", False):
+    return
+
+  def closed_loop(exc) -> bool:
+    return isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"
+
+  def from_orbax(tb) -> bool:
+    while tb is not None:
+      if "/orbax/" in tb.tb_frame.f_code.co_filename:
+        return True
+      tb = tb.tb_next
+    return False
+
+  previous_except, previous_unraisable = sys.excepthook, sys.unraisablehook
+
+  def excepthook(kind, exc, tb):
+    if not closed_loop(exc):
+      previous_except(kind, exc, tb)
+
+  def unraisablehook(report):
+    if not (closed_loop(report.exc_value) or from_orbax(report.exc_traceback)):
+      previous_unraisable(report)
+
+  class NotOrbaxRead(logging_std.Filter):  # asyncio's "Task exception was never retrieved"
+    def filter(self, record):
+      return not (record.exc_info and from_orbax(record.exc_info[2]))
+
+  excepthook.drops_closed_loop = True
+  sys.excepthook, sys.unraisablehook = excepthook, unraisablehook
+  logging_std.getLogger("asyncio").addFilter(NotOrbaxRead())
 
 
 def set_aside(workdir: str | epath.Path, step: int) -> epath.Path:

@@ -59,6 +59,6 @@ def test_variant_trains_and_evaluates_at_four_times_the_training_length(tmp_path
   lines = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
   assert np.isfinite([x["train_loss"] for x in lines if "train_loss" in x]).all()
   run(REPO / "eval.py", f"--workdir={workdir}", f"--lengths={4 * SEQ_LEN}",
-      "--protocol=nonoverlapping", "--max_tokens=256")  # fmt: skip
-  (record,) = json.loads((workdir / "eval" / "ppl_vs_length.json").read_text())["records"]
+      "--protocol=nonoverlapping", "--max_tokens=256", "--out=at_4x")  # fmt: skip
+  (record,) = json.loads((workdir / "eval" / "at_4x.json").read_text())["records"]
   assert record["length"] == 4 * SEQ_LEN and np.isfinite(record["loss"]), record
