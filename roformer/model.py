@@ -14,12 +14,16 @@ from flax import nnx
 from roformer.attention import KERNELS, WINDOW_KINDS
 from roformer.attention import dropout as _dropout
 from roformer.attention_kinds import ATTENTIONS, make_attention
+from roformer.layers import DTYPES
+from roformer.layers import embed as _embed
+from roformer.layers import linear as _linear
+from roformer.layers import norm as _norm
 from roformer.posenc import POSENCS, make_posenc, validate_posenc
 from roformer.posenc_config import PosEncConfig
+from roformer.seqwise import fold, seqwise
 
 ACTIVATIONS = ("gelu", "swiglu")
 NORMS = ("layernorm", "rmsnorm")
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 EMBED_SCALES = ("auto", "none", "sqrt_d")
 # What the backward pass recomputes per block instead of storing: nothing; everything but the
 # outputs of its matmuls (scores, softmax, norms, activations); everything but the block's input.
@@ -276,12 +280,12 @@ class Encoder(nnx.Module):
     def embed_tail(key, x_BLE):
       return _dropout(self.embed_norm(x_BLE), cfg.dropout_rate, key)
 
-    x_BLE = _seqwise(embed_tail, x_BLE, block=cfg.attention_block, key=_fold(key, 0))
+    x_BLE = seqwise(embed_tail, x_BLE, block=cfg.attention_block, key=fold(key, 0))
     # E -> D has no intermediate wider than its [B, L, D] output, so it needs no blocks.
     x_BLD = x_BLE if self.embed_project is None else self.embed_project(x_BLE)
     x_BLD = _run_layers(self, x_BLD, positions_BL, segment_ids_BL, key)
     if self.final_norm is not None:
-      x_BLD = _seqwise(lambda _, x: self.final_norm(x), x_BLD, block=cfg.attention_block)
+      x_BLD = seqwise(lambda _, x: self.final_norm(x), x_BLD, block=cfg.attention_block)
     return x_BLD
 
   def logits(self, h_BLD):
@@ -330,9 +334,9 @@ class Decoder(nnx.Module):
     key = _dropout_key(cfg, deterministic, rngs)
     x_BLD = self.embed(tokens_BL) * self.embed_multiplier
     x_BLD = self.posenc.embed(x_BLD, positions_BL).astype(DTYPES[cfg.dtype])
-    x_BLD = _dropout(x_BLD, cfg.dropout_rate, _fold(key, 0))
+    x_BLD = _dropout(x_BLD, cfg.dropout_rate, fold(key, 0))
     x_BLD = _run_layers(self, x_BLD, positions_BL, segment_ids_BL, key)
-    return _seqwise(lambda _, x: self.final_norm(x), x_BLD, block=cfg.attention_block)
+    return seqwise(lambda _, x: self.final_norm(x), x_BLD, block=cfg.attention_block)
 
   def init_caches(self, batch: int, max_len: int) -> list:
     """Empty decoding caches of every layer for sequences of up to `max_len` tokens."""
@@ -406,7 +410,7 @@ def _run_layers(model, x_BLD, positions_BL, segment_ids_BL, key):
       positions_BL,
       posenc,
       segment_ids_BL=segment_ids_BL,
-      dropout_key=_fold(key, i + 1),
+      dropout_key=fold(key, i + 1),
       rotary_state=rotary_state,
     )
 
@@ -470,10 +474,10 @@ class Block(nnx.Module):
       pos_BL,
       posenc,
       segment_ids_BL=segment_ids_BL,
-      dropout_key=_fold(dropout_key, 0),
+      dropout_key=fold(dropout_key, 0),
       rotary_state=rotary_state,
     )
-    return _seqwise(self._out_and_mlp, o_BLHK, x_BLD, block=self.seq_block, key=dropout_key)
+    return seqwise(self._out_and_mlp, o_BLHK, x_BLD, block=self.seq_block, key=dropout_key)
 
   def decode(self, x_BLD, pos_BL, posenc, cache, rotary_state):
     """Cached step over L new tokens (see `Decoder.decode`): ([B, L, D], updated cache)."""
@@ -482,11 +486,11 @@ class Block(nnx.Module):
     return self._out_and_mlp(None, o_BLHK, x_BLD), cache
 
   def _out_and_mlp(self, key, o_BLHK, x_BLD):
-    x_BLD = x_BLD + _dropout(self.attn.out(o_BLHK), self.dropout_rate, _fold(key, 1))
+    x_BLD = x_BLD + _dropout(self.attn.out(o_BLHK), self.dropout_rate, fold(key, 1))
     if not self.pre_norm:
       x_BLD = self.attn_norm(x_BLD)
     h_BLD = self.mlp_norm(x_BLD) if self.pre_norm else x_BLD
-    x_BLD = x_BLD + _dropout(self.mlp(h_BLD), self.dropout_rate, _fold(key, 2))
+    x_BLD = x_BLD + _dropout(self.mlp(h_BLD), self.dropout_rate, fold(key, 2))
     return x_BLD if self.pre_norm else self.mlp_norm(x_BLD)
 
 
@@ -525,17 +529,6 @@ def _posenc(cfg, emb_dim, *, causal, rngs):
   )
 
 
-def _embed(cfg, num, dim, rngs, stddev=0.02):
-  return nnx.Embed(
-    num,
-    dim,
-    dtype=DTYPES[cfg.dtype],
-    param_dtype=DTYPES[cfg.param_dtype],
-    embedding_init=nnx.with_partitioning(nnx.initializers.normal(stddev), ("vocab", "embed")),
-    rngs=rngs,
-  )
-
-
 def _token_embed(cfg, dim, rngs):
   """The word embedding and the multiplier of its output (`model.embed_scale`).
 
@@ -546,35 +539,6 @@ def _token_embed(cfg, dim, rngs):
   if resolve_embed_scale(cfg) == "sqrt_d":
     return _embed(cfg, cfg.vocab_size, dim, rngs, stddev=dim**-0.5), float(math.sqrt(dim))
   return _embed(cfg, cfg.vocab_size, dim, rngs), 1.0
-
-
-def _linear(cfg, din, dout, names, rngs, use_bias=None):
-  return nnx.Linear(
-    din,
-    dout,
-    use_bias=cfg.use_bias if use_bias is None else use_bias,
-    dtype=DTYPES[cfg.dtype],
-    param_dtype=DTYPES[cfg.param_dtype],
-    kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), names),
-    bias_init=nnx.with_partitioning(nnx.initializers.zeros, names[1:]),
-    rngs=rngs,
-  )
-
-
-def _norm(cfg, dim, rngs):
-  kwargs = dict(
-    epsilon=cfg.norm_eps,
-    dtype=DTYPES[cfg.dtype],
-    param_dtype=DTYPES[cfg.param_dtype],
-    use_fast_variance=False,
-    scale_init=nnx.with_partitioning(nnx.initializers.ones, ("embed",)),
-    rngs=rngs,
-  )
-  if cfg.norm == "rmsnorm":
-    return nnx.RMSNorm(dim, **kwargs)
-  return nnx.LayerNorm(
-    dim, bias_init=nnx.with_partitioning(nnx.initializers.zeros, ("embed",)), **kwargs
-  )
 
 
 def _check_inputs(tokens_BL, positions_BL, segment_ids_BL, token_type_ids_BL, cfg):
@@ -598,45 +562,3 @@ def _dropout_key(cfg, deterministic, rngs):
       "rngs=nnx.Rngs(dropout=key)"
     )
   return rngs.dropout() if isinstance(rngs, nnx.Rngs) else rngs
-
-
-def _fold(key, i):
-  return None if key is None else jax.random.fold_in(key, i)
-
-
-def _seqwise(fn, *xs_BL, block, key=None):
-  """Applies a position-wise `fn(key, *xs)` over blocks of L, writing over the last input.
-
-  `fn` must return an array of the last input's shape and dtype. For L > block, a fori_loop reads
-  block i of every input and writes the result over block i of the last input, which no later
-  block reads: XLA then updates that buffer in place. (A lax.map would stack the results into a
-  fresh [B, L, ...] buffer per call, and XLA on CPU allocates those for every layer up front.)
-  Intermediates of `fn` (e.g. the MLP's [B, L, F]) exist for one block at a time. When L is not a
-  multiple of block, the last block is shifted back to end at L and keeps the positions already
-  written. Block i gets the dropout key fold_in(key, i).
-
-  Args:
-    fn: (key or None, *blocks [B, C, ...]) -> [B, C, ...] shaped like the last block.
-    *xs_BL: [B, L, ...] arrays; the last one is overwritten block by block.
-    block: sequence block C.
-    key: dropout key, or None.
-
-  Returns:
-    fn applied at every position, shaped like the last input.
-  """
-  L = xs_BL[0].shape[1]
-  if L <= block:
-    return fn(key, *xs_BL)
-  *ins_BL, out_BL = xs_BL
-
-  def body(i, out_BL):
-    start = jnp.minimum(i * block, L - block)
-    ins_BC = [jax.lax.dynamic_slice_in_dim(x, start, block, axis=1) for x in ins_BL]
-    old_BC = jax.lax.dynamic_slice_in_dim(out_BL, start, block, axis=1)
-    new_BC = fn(_fold(key, i), *ins_BC, old_BC)
-    if L % block:
-      done_C = start + jnp.arange(block) < i * block
-      new_BC = jnp.where(done_C.reshape((1, block) + (1,) * (old_BC.ndim - 2)), old_BC, new_BC)
-    return jax.lax.dynamic_update_slice_in_dim(out_BL, new_BC, start, axis=1)
-
-  return jax.lax.fori_loop(0, -(-L // block), body, out_BL)

@@ -1,0 +1,77 @@
+"""Tests of the positional-encoding registry and of validate_posenc's errors."""
+
+import dataclasses
+
+import pytest
+from posenc_test import make
+
+from roformer import posenc
+from roformer.posenc_config import POSENC_KINDS, PosEncConfig, RopeScaling
+
+
+def test_registry_covers_every_config_kind():
+  assert set(posenc.POSENCS) == set(POSENC_KINDS)
+
+
+@pytest.mark.parametrize("kind", POSENC_KINDS)
+@pytest.mark.parametrize("causal", [True, False])
+def test_validate_posenc_accepts_good_configs(kind, causal):
+  if posenc.POSENCS[kind].causal_only and not causal:
+    return
+  posenc.validate_posenc(PosEncConfig(kind=kind), causal=causal, head_dim=64, seq_len=512)
+
+
+_BAD = [
+  (dict(kind="bogus"), {}, "posenc.kind='bogus' is not one of .*'rope'.*'nope'"),
+  (dict(rope_layout="zigzag"), {}, "posenc.rope_layout='zigzag' is not one of .*'half'"),
+  (dict(scaling=RopeScaling(kind="foo")), {}, "posenc.scaling.kind='foo' is not one of .*'yarn'"),
+  (dict(kind="rope"), dict(head_dim=63), r"model.head_dim=63 must be even for posenc.kind='rope'"),
+  (dict(kind="xpos"), dict(head_dim=63), r"model.head_dim=63 must be even for posenc.kind='xpos'"),
+  (dict(kind="xpos"), dict(causal=False), "posenc.kind='xpos' needs a causal decoder"),
+  (
+    dict(kind="nope"),
+    dict(causal=False),
+    "posenc.kind='nope' needs a causal decoder.*bag of words",
+  ),
+  (dict(kind="learned", max_len=128), dict(seq_len=256), "posenc.max_len=128.*'rope', 'alibi'"),
+  (dict(scaling=RopeScaling(kind="linear", factor=0.5)), {}, "posenc.scaling.factor=0.5"),
+  (dict(scaling=RopeScaling(kind="yarn", factor=0.9)), {}, "posenc.scaling.factor=0.9"),
+  (dict(rope_fraction=0.0), {}, r"posenc.rope_fraction=0.0 must be in \(0, 1\]"),
+  (dict(rope_fraction=1.5), {}, r"posenc.rope_fraction=1.5 must be in \(0, 1\]"),
+  (dict(rope_fraction=0.01), {}, "posenc.rope_fraction=0.01 .* leaves no pair"),
+  (dict(kind="alibi", scaling=RopeScaling(kind="linear", factor=2.0)), {}, "posenc.scaling.kind"),
+  (dict(kind="t5", t5_num_buckets=2), {}, "posenc.t5_num_buckets=2"),
+  (dict(kind="t5", t5_max_distance=8), {}, "posenc.t5_max_distance=8"),
+  (dict(kind="xpos", xpos_gamma=0.0), {}, "posenc.xpos_gamma"),
+  (dict(kind="xpos", xpos_scale_base=0.0), {}, "posenc.xpos_scale_base"),
+  (dict(max_wavelength=1.0), {}, "posenc.max_wavelength"),
+  (
+    dict(scaling=RopeScaling(kind="yarn", factor=4.0, beta_fast=0.0)),
+    {},
+    "posenc.scaling.beta_fast",
+  ),
+  (
+    dict(scaling=RopeScaling(kind="llama3", factor=8.0, low_freq_factor=4.0, high_freq_factor=4.0)),
+    {},
+    "posenc.scaling.low_freq_factor",
+  ),
+  (dict(scaling=RopeScaling(kind="ntk", factor=2.0)), dict(head_dim=2), "needs at least 4 rotary"),
+]
+
+
+@pytest.mark.parametrize("fields,kwargs,message", _BAD, ids=lambda v: str(v)[:40])
+def test_validate_posenc_rejects_bad_config_naming_the_field(fields, kwargs, message):
+  args = {"causal": True, "head_dim": 64, "seq_len": 0, **kwargs}
+  with pytest.raises(ValueError, match=message):
+    posenc.validate_posenc(PosEncConfig(**fields), **args)
+  # make_posenc validates too (seq_len is the learned table's concern at embed time).
+  if "seq_len" not in kwargs:
+    with pytest.raises(ValueError, match=message):
+      make(**fields, head_dim=args["head_dim"], causal=args["causal"])
+
+
+def test_validate_posenc_leaves_original_len_to_the_config_loader():
+  scaling = RopeScaling(kind="yarn", factor=4.0)
+  posenc.validate_posenc(PosEncConfig(scaling=scaling), causal=True, head_dim=64)
+  filled = dataclasses.replace(scaling, original_max_len=512)
+  assert make("rope", scaling=filled, head_dim=64).rotary_dims == 64
