@@ -10,8 +10,10 @@ printed too. MFU divides achieved FLOP/s by a matmul peak measured in the same p
 
 With --compare_hf (or --compare-hf), Hugging Face RoFormerForMaskedLM (encoder) or
 RoFormerForCausalLM (decoder) of the same shape trains with torch AdamW in the same process; the
-two alternate repeat by repeat and the ratio of the medians is printed. Both use every core, so
-run it on an otherwise idle machine.
+two alternate repeat by repeat and the ratio of the medians is printed. With
+--config.model.dtype=bfloat16 the PyTorch forward runs under torch.autocast("cpu", bfloat16), the
+counterpart of our bfloat16 compute with float32 weights. Both use every core, so run it on an
+otherwise idle machine.
 
   JAX_PLATFORMS=cpu python benchmarks/throughput.py --config=configs/mlm.py \
     --config.model.num_layers=4 --config.model.emb_dim=256 --config.model.num_heads=4 \
@@ -154,11 +156,15 @@ class HfTrainer:
     self.labels = torch.from_numpy(labels)  # CausalLM shifts the labels itself
     self.clip = o.grad_clip_norm
     self.torch = torch
+    # Our bfloat16 path (float32 master weights, bfloat16 matmuls) against PyTorch's counterpart:
+    # the forward and loss under CPU autocast, the backward and AdamW outside it.
+    self.autocast = m.dtype == "bfloat16"
 
   def run(self, steps: int) -> float:
     start = time.perf_counter()
     for _ in range(steps):
-      loss = self.model(input_ids=self.inputs, labels=self.labels).loss
+      with self.torch.autocast("cpu", dtype=self.torch.bfloat16, enabled=self.autocast):
+        loss = self.model(input_ids=self.inputs, labels=self.labels).loss
       loss.backward()
       if self.clip > 0:
         self.torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
@@ -220,6 +226,7 @@ def benchmark(rc, *, steps, repeats, warmup, peak_size, compare_hf) -> dict:
     result["hf_tokens_per_sec"] = tokens_per_step * steps / statistics.median(hf_s)
     result["hf_tokens_per_sec_runs"] = [tokens_per_step * steps / s for s in hf_s]
     result["ratio_to_hf"] = result["tokens_per_sec"] / result["hf_tokens_per_sec"]
+    result["hf_precision"] = "bfloat16 autocast" if hf.autocast else "float32"
   return result
 
 
@@ -239,7 +246,7 @@ def format_table(result: dict) -> str:
   ]
   if "hf_tokens_per_sec" in result:
     rows += [
-      ("HF PyTorch tokens/s", f"{result['hf_tokens_per_sec']:,.0f}"),
+      (f"HF PyTorch tokens/s ({result['hf_precision']})", f"{result['hf_tokens_per_sec']:,.0f}"),
       ("HF tokens/s (runs)", ", ".join(f"{x:,.0f}" for x in result["hf_tokens_per_sec_runs"])),
       ("ours / HF", f"{result['ratio_to_hf']:.2f}x"),
     ]

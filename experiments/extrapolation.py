@@ -6,7 +6,8 @@ the ALiBi paper, which ran every one of its baselines in fairseq) at training le
 each from L to 16L with both protocols (xPos also with its blockwise causal attention); evaluates
 the rope run with PI, NTK, dynamic NTK, YaRN and Llama-3 scaling applied at evaluation (factor =
 length / L); fine-tunes the rope run briefly at 2L with PI and with YaRN (the PI paper's recipe,
-scaled down); and trains every encoding again with a quarter of the budget, evaluated at L.
+scaled down); trains every encoding again with a quarter of the budget, evaluated at L; and
+repeats the quarter-budget rope, sinusoidal and learned runs with another seed (the seed noise).
 
   python experiments/extrapolation.py [--scale=tiny|cpu|paper] [--corpus=pystdlib|sotu]
       [--only=rope,alibi] [--out=DIR] [--workroot=DIR]
@@ -28,6 +29,7 @@ import report  # noqa: E402
 ENCODINGS = ("sinusoidal", "learned", "rope", "alibi", "nope", "t5", "xpos")
 SCALINGS = ("linear", "ntk", "dynamic", "yarn", "llama3")
 FINETUNES = ("linear", "yarn")  # PI and YaRN
+SEED_REPEATS = ("rope", "sinusoidal", "learned")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +123,17 @@ def grid_runs(scale: Scale, only: set[str]) -> list[grid.Run]:
       continue
     overrides = {"posenc.kind": enc, "train.num_train_steps": max(1, scale.steps // 4)}
     runs.append(grid.Run(f"{enc}_short", enc, overrides, [grid.Eval("none", at_l)], budget="short"))
+  for enc in SEED_REPEATS:  # the short runs again with another seed: the noise of a ratio
+    if only and enc not in only:
+      continue
+    overrides = {
+      "posenc.kind": enc,
+      "train.num_train_steps": max(1, scale.steps // 4),
+      "train.seed": 1,
+    }
+    runs.append(
+      grid.Run(f"{enc}_short_seed1", enc, overrides, [grid.Eval("none", at_l)], budget="seed")
+    )
   if not only or "rope" in only:
     for kind in FINETUNES:
       overrides = {

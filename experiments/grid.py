@@ -127,7 +127,7 @@ class Run:
     overrides: config overrides (dotted names) on top of the grid's base config.
     evals: evaluations to run on the final checkpoint.
     init_from: name of another run of the grid to fine-tune from ("" = from scratch).
-    budget: label of the training budget ("full", "short", "finetune").
+    budget: label of the training budget ("full", "short", "seed", "finetune").
   """
 
   name: str

@@ -22,6 +22,9 @@ def _ppl(rows, **where) -> float | None:
   return None if row is None else float(row["ppl"])
 
 
+_ROPE_BUDGETS = ("full", "finetune")  # the rope runs drawn with the scalings
+
+
 def _wall_table(records: Sequence[dict]) -> list[str]:
   lines = ["| run | budget | training time (min) |", "|---|---|---|"]
   total = 0.0
@@ -30,6 +33,22 @@ def _wall_table(records: Sequence[dict]) -> list[str]:
       total += r["train_seconds"]
       lines.append(f"| {r['run']} | {r['budget']} | {r['train_seconds'] / 60:.1f} |")
   lines.append(f"| all | | {total / 60:.1f} |")
+  return lines
+
+
+def _seed_table(records: Sequence[dict], rows: list[dict], seq_len: int) -> list[str]:
+  """The quarter-budget runs with seed 0 and seed 1: how far a rerun moves perplexity at L."""
+  seeds = [r for r in records if r.get("budget") == "seed"]
+  if not seeds:
+    return []
+  lines = ["", "## Seed noise: quarter budget, perplexity at L (non-overlapping)", ""]
+  lines += ["| encoding | seed 0 | seed 1 | seed 1 / seed 0 |", "|---|---|---|---|"]
+  for r in seeds:
+    enc = r["encoding"]
+    seed0 = _ppl(rows, run=f"{enc}_short", length=seq_len, protocol="nonoverlapping")
+    seed1 = _ppl(rows, run=r["run"], length=seq_len, protocol="nonoverlapping")
+    ratio = seed1 / seed0 if seed0 and seed1 else None
+    lines.append(f"| {enc} | {_fmt(seed0)} | {_fmt(seed1)} | {_fmt(ratio)} |")
   return lines
 
 
@@ -67,7 +86,9 @@ def write_extrapolation(records: Sequence[dict], out: pathlib.Path, *, seq_len: 
     "|---|---|" + "---|" * len(lengths),
   ]
   for r in records:
-    if r.get("encoding") != "rope" or r.get("budget") == "short" or "evaluations" not in r:
+    if (
+      r.get("encoding") != "rope" or r.get("budget") not in _ROPE_BUDGETS or "evaluations" not in r
+    ):
       continue
     for ev in r["evaluations"]:
       cells = [
@@ -88,6 +109,7 @@ def write_extrapolation(records: Sequence[dict], out: pathlib.Path, *, seq_len: 
     ratio_s = short / rope_short if short and rope_short else None
     ratio_l = long / rope_long if long and rope_long else None
     lines.append(f"| {enc} | {_fmt(short)} | {_fmt(ratio_s)} | {_fmt(long)} | {_fmt(ratio_l)} |")
+  lines += _seed_table(records, rows, seq_len)
   lines += ["", "## Wall time", ""] + _wall_table(records) + [""]
   (out / "table.md").write_text("\n".join(lines))
 
@@ -107,7 +129,7 @@ def write_extrapolation(records: Sequence[dict], out: pathlib.Path, *, seq_len: 
     )
   scalings = grid.eval_lines(
     records,
-    lambda r, ev: r.get("encoding") == "rope" and r.get("budget") != "short",
+    lambda r, ev: r.get("encoding") == "rope" and r.get("budget") in _ROPE_BUDGETS,
     lambda r, ev: f"{r['run']} + {ev['scaling']} (auto)" if ev["scaling"] != "none" else r["run"],
   )
   if scalings:
@@ -159,6 +181,7 @@ def write_mlm(records: Sequence[dict], out: pathlib.Path, *, seq_len: int, scale
       else:
         cells.append(f"{float(row['loss']):.3f} / {float(row['accuracy']):.3f}")
     lines.append(f"| {record['run']} | " + " | ".join(cells) + " |")
+  lines += _seed_table(records, rows, seq_len)
   lines += ["", "## Wall time", ""] + _wall_table(records) + [""]
   (out / "table.md").write_text("\n".join(lines))
 

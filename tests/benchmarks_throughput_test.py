@@ -28,3 +28,26 @@ def test_throughput_smoke_reports_speed_and_flops(tmp_path):
   assert result["executed_flops_per_token"] > 0
   assert result["mfu_executed"] > 0 and result["peak_flops_per_sec"] > 0
   assert "ours / HF" not in proc.stdout  # only with --compare_hf
+
+
+def test_matmul_table_covers_both_dtypes(tmp_path):
+  out = tmp_path / "matmul.json"
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  proc = subprocess.run(
+    [
+      sys.executable,
+      str(REPO / "benchmarks" / "matmul.py"),
+      "--sizes=64",
+      "--repeats=2",
+      f"--json={out}",
+    ],  # fmt: skip
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  rows = json.loads(out.read_text())["rows"]
+  assert [(r["size"], r["dtype"]) for r in rows] == [(64, "float32"), (64, "bfloat16")]
+  assert all(r["jax_gflops"] > 0 for r in rows)
+  assert "| 64 | bfloat16 |" in proc.stdout

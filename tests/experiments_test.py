@@ -28,7 +28,11 @@ def test_extrapolation_grid_writes_every_output_and_resumes(tmp_path):
   assert proc.returncode == 0, proc.stderr[-3000:]
   runs = {p.stem for p in out.glob("*.json")}
   encodings = {"sinusoidal", "learned", "t5", "alibi", "rope", "xpos", "nope"}
-  assert runs == encodings | {f"{e}_short" for e in encodings} | {"rope_linear_2x", "rope_yarn_2x"}
+  seeds = {"rope_short_seed1", "sinusoidal_short_seed1", "learned_short_seed1"}
+  fine_tunes = {"rope_linear_2x", "rope_yarn_2x"}
+  assert runs == encodings | {f"{e}_short" for e in encodings} | seeds | fine_tunes
+  seed_run = json.loads((out / "rope_short_seed1.json").read_text())
+  assert seed_run["overrides"]["train.seed"] == 1
   for name in ("results.csv", "table.md", "encodings.png", "scalings.png"):
     assert (out / name).stat().st_size > 0, name
   with (out / "results.csv").open() as f:
@@ -52,7 +56,8 @@ def test_extrapolation_grid_writes_every_output_and_resumes(tmp_path):
   assert max(int(r["length"]) for r in rows if r["run"] == "nope") == 32
   fine_tune = json.loads((out / "rope_yarn_2x.json").read_text())
   assert fine_tune["overrides"]["train.init_from"].endswith("rope")
-  assert "xpos (no BCA)" in (out / "table.md").read_text()
+  table = (out / "table.md").read_text()
+  assert "xpos (no BCA)" in table and "| sinusoidal | " in table.split("## Seed noise")[1]
   # A rerun finds every run done and only rewrites the report.
   rerun = _run("extrapolation.py", out, workroot)
   assert rerun.returncode == 0, rerun.stderr[-3000:]
