@@ -183,13 +183,16 @@ def main():
       run.overrides["posenc.max_len"] = 2 * scale.seq_len
   print(f"extrapolation grid, scale {args.scale}, corpus {args.corpus}: {len(runs)} runs -> {out}")
 
-  def write_report(records):
+  every_run = grid_runs(scale, set())
+
+  def write_report(_=None):  # every finished run in OUT, also those of earlier --only runs
+    records = grid.finished_records(every_run, out)
     report.write_extrapolation(records, out, seq_len=scale.seq_len, scale=args.scale)
 
-  records = grid.run_grid(
+  grid.run_grid(
     runs, base=scale.base, common=common, out=out, workroot=workroot, report=write_report
   )
-  write_report(records)
+  write_report()
   print(f"wrote {out}/results.csv, table.md, encodings.png, scalings.png")
 
 

@@ -226,6 +226,15 @@ def run_grid(
   return records
 
 
+def finished_records(runs: Sequence[Run], out: pathlib.Path) -> list[dict]:
+  """The records (OUT/<run>.json) of every run in `runs` that has one, in grid order.
+
+  Reports are drawn from these, so that a grid run piecewise with --only reports all of them.
+  """
+  paths = [out / f"{run.name}.json" for run in runs]
+  return [json.loads(path.read_text()) for path in paths if path.exists()]
+
+
 def _evaluate(workdir: pathlib.Path, ev: Eval) -> dict:
   from roformer import eval_run
 

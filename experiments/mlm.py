@@ -107,13 +107,16 @@ def main():
   runs = grid_runs(scale, only)
   print(f"MLM grid, scale {args.scale}, corpus {args.corpus}: {len(runs)} runs -> {out}")
 
-  def write_report(records):
+  every_run = grid_runs(scale, set())
+
+  def write_report(_=None):  # every finished run in OUT, also those of earlier --only runs
+    records = grid.finished_records(every_run, out)
     report.write_mlm(records, out, seq_len=scale["seq_len"], scale=args.scale)
 
-  records = grid.run_grid(
+  grid.run_grid(
     runs, base=scale["base"], common=common, out=out, workroot=workroot, report=write_report
   )
-  write_report(records)
+  write_report()
   print(f"wrote {out}/results.csv, table.md, curves.png")
 
 

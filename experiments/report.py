@@ -181,7 +181,6 @@ def write_mlm(records: Sequence[dict], out: pathlib.Path, *, seq_len: int, scale
       else:
         cells.append(f"{float(row['loss']):.3f} / {float(row['accuracy']):.3f}")
     lines.append(f"| {record['run']} | " + " | ".join(cells) + " |")
-  lines += _seed_table(records, rows, seq_len)
   lines += ["", "## Wall time", ""] + _wall_table(records) + [""]
   (out / "table.md").write_text("\n".join(lines))
 

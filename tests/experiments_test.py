@@ -80,3 +80,14 @@ def test_mlm_grid_writes_every_output_and_records_refused_encodings(tmp_path):
   learned = {int(r["length"]): r for r in rows if r["run"] == "learned"}
   assert learned[16]["accuracy"] and learned[32]["skipped"]
   assert all(r["accuracy"] for r in rows if r["run"] == "rope")
+
+
+@pytest.mark.slow
+def test_grid_run_piecewise_with_only_reports_every_finished_run(tmp_path):
+  out, workroot = tmp_path / "out", tmp_path / "runs"
+  for only in ("alibi", "sinusoidal"):
+    proc = _run("extrapolation.py", out, workroot, f"--only={only}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+  with (out / "results.csv").open() as f:
+    runs = {r["run"] for r in csv.DictReader(f)}
+  assert runs == {"alibi", "alibi_short", "sinusoidal", "sinusoidal_short", "sinusoidal_short_seed1"}

@@ -1,0 +1,70 @@
+"""The committed results: each grid's CSV and table are what its runs' JSONs give, and every
+results table in the README is copied verbatim from one of those tables."""
+
+import csv
+import re
+import sys
+
+import pytest
+from train_helpers import REPO
+
+sys.path.insert(0, str(REPO / "experiments"))
+import extrapolation  # noqa: E402
+import grid  # noqa: E402
+import mlm  # noqa: E402
+import report  # noqa: E402
+
+RESULTS = REPO / "results"
+GRID_DIRS = sorted(p.parent for p in RESULTS.glob("*/*/table.md") if p.parts[-3] != "synthetic")
+# A README table copied from a grid's table.md is announced by this comment on the line before.
+TABLE_MARK = re.compile(r"<!-- from (results/\S+/table\.md) -->")
+
+
+def _regenerate(directory, tmp_path):
+  """Rewrites OUT's report from its JSONs into tmp_path, as the driver does after each run."""
+  scale, seq_len = re.search(
+    r"\((\w+) scale, training length (\d+)\)", (directory / "table.md").read_text()
+  ).groups()
+  if directory.parent.name == "extrapolation":
+    runs = extrapolation.grid_runs(extrapolation.SCALES[scale], set())
+    write = report.write_extrapolation
+  else:
+    runs = mlm.grid_runs(mlm.SCALES[scale], set())
+    write = report.write_mlm
+  records = grid.finished_records(runs, directory)
+  assert records, f"{directory}: no run JSONs"
+  write(records, tmp_path, seq_len=int(seq_len), scale=scale)
+
+
+@pytest.mark.parametrize("directory", GRID_DIRS, ids=lambda p: str(p.relative_to(RESULTS)))
+def test_committed_csv_and_table_are_what_the_run_jsons_give(directory, tmp_path):
+  _regenerate(directory, tmp_path)
+  for name in ("results.csv", "table.md"):
+    assert (tmp_path / name).read_text() == (directory / name).read_text(), name
+
+
+def test_readme_results_tables_are_copied_from_the_committed_tables():
+  lines = (REPO / "README.md").read_text().splitlines()
+  marked = [(i, m.group(1)) for i, line in enumerate(lines) if (m := TABLE_MARK.search(line))]
+  assert marked, "README has no results table marked with <!-- from results/.../table.md -->"
+  for index, source in marked:
+    table = set((REPO / source).read_text().splitlines())
+    rows = []
+    for line in lines[index + 1 :]:
+      if not line.startswith("|"):
+        if rows:
+          break
+        continue
+      rows.append(line)
+    assert len(rows) > 2, f"README line {index + 1}: no table after the mark"
+    for row in rows:
+      assert row in table, f"README row not in {source}: {row}"
+
+
+def test_extrapolation_csv_has_the_documented_columns():
+  for directory in GRID_DIRS:
+    if directory.parent.name != "extrapolation":
+      continue
+    with (directory / "results.csv").open() as f:
+      header = next(csv.reader(f))
+    assert header == list(grid.CSV_COLUMNS)
