@@ -4,11 +4,21 @@ from __future__ import annotations
 
 import math
 import pathlib
+import re
 from collections.abc import Sequence
 
 import grid
 
 from roformer import eval_plot
+
+
+def read_header(directory: pathlib.Path) -> tuple[str, int]:
+  """(scale, training length) from the first line of a grid's table.md."""
+  first = (directory / "table.md").read_text().splitlines()[0]
+  match = re.search(r"\((\w+) scale, training length (\d+)\)", first)
+  if match is None:
+    raise ValueError(f"{directory}/table.md: no '(<scale> scale, training length <L>)' header")
+  return match.group(1), int(match.group(2))
 
 
 def _fmt(value: float | None) -> str:

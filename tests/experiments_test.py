@@ -62,6 +62,14 @@ def test_extrapolation_grid_writes_every_output_and_resumes(tmp_path):
   rerun = _run("extrapolation.py", out, workroot)
   assert rerun.returncode == 0, rerun.stderr[-3000:]
   assert rerun.stdout.count("done (skipped)") == len(runs)
+  # Retraining a run from its recorded overrides gives its recorded eval loss.
+  again = subprocess.run(
+    [sys.executable, str(REPO / "experiments" / "rerun.py"), str(out / "rope_short.json"),
+     f"--workdir={tmp_path / 'again'}"],
+    capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=600,
+  )  # fmt: skip
+  assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+  assert "rope_short: recorded eval loss" in again.stdout
 
 
 @pytest.mark.slow
@@ -90,4 +98,5 @@ def test_grid_run_piecewise_with_only_reports_every_finished_run(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
   with (out / "results.csv").open() as f:
     runs = {r["run"] for r in csv.DictReader(f)}
-  assert runs == {"alibi", "alibi_short", "sinusoidal", "sinusoidal_short", "sinusoidal_short_seed1"}
+  expected = {"alibi", "alibi_short", "sinusoidal", "sinusoidal_short", "sinusoidal_short_seed1"}
+  assert runs == expected

@@ -22,9 +22,7 @@ TABLE_MARK = re.compile(r"<!-- from (results/\S+/table\.md) -->")
 
 def _regenerate(directory, tmp_path):
   """Rewrites OUT's report from its JSONs into tmp_path, as the driver does after each run."""
-  scale, seq_len = re.search(
-    r"\((\w+) scale, training length (\d+)\)", (directory / "table.md").read_text()
-  ).groups()
+  scale, seq_len = report.read_header(directory)
   if directory.parent.name == "extrapolation":
     runs = extrapolation.grid_runs(extrapolation.SCALES[scale], set())
     write = report.write_extrapolation
@@ -33,7 +31,7 @@ def _regenerate(directory, tmp_path):
     write = report.write_mlm
   records = grid.finished_records(runs, directory)
   assert records, f"{directory}: no run JSONs"
-  write(records, tmp_path, seq_len=int(seq_len), scale=scale)
+  write(records, tmp_path, seq_len=seq_len, scale=scale)
 
 
 @pytest.mark.parametrize("directory", GRID_DIRS, ids=lambda p: str(p.relative_to(RESULTS)))
