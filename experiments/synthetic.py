@@ -7,6 +7,7 @@ and scores exact match and per-token accuracy from that range to 8x its longest 
   python experiments/synthetic.py --scale=tiny --out=/tmp/synthetic   # smoke grid, minutes
   python experiments/synthetic.py --scale=cpu                          # full grid, hours
   python experiments/synthetic.py --scale=cpu --only=copy/fire          # runs whose name matches
+  python experiments/synthetic.py --scale=cpu --only='copy/rope$'       # without +randomized
 
 Writes OUT/<run>.json (the task evaluation plus the run's settings and training time),
 OUT/results.csv, OUT/<task>.png, OUT/passkey_heatmap__<run>.png (exact match by depth x length)
@@ -29,7 +30,12 @@ from configs import default  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("scale", "tiny", ["tiny", "cpu"], "Grid size (see SCALES).")
-flags.DEFINE_list("only", [], "Run only the runs whose name contains one of these substrings.")
+flags.DEFINE_list(
+  "only",
+  [],
+  "Run only the runs whose name contains one of these substrings; a trailing $ anchors the end "
+  "(copy/rope$ is copy/rope without copy/rope+randomized).",
+)
 flags.DEFINE_string("out", "results/synthetic", "Output directory of the results.")
 flags.DEFINE_string(
   "workdir_root", "", "Where training workdirs go; default a directory under the system temp."
@@ -90,6 +96,11 @@ SCALES = {
 
 def run_name(task: str, encoding: str, randomized: bool) -> str:
   return f"{task}/{encoding}" + ("+randomized" if randomized else "")
+
+
+def selected(name: str, only: list[str]) -> bool:
+  """True if `name` contains one of `only` (an entry ending in $ must end `name`)."""
+  return any(name.endswith(s[:-1]) if s.endswith("$") else s in name for s in only)
 
 
 def grid(scale: Scale) -> list[tuple[str, str, bool]]:
@@ -214,7 +225,7 @@ def main(argv):
   root = FLAGS.workdir_root or os.path.join(
     tempfile.gettempdir(), f"roformer_synthetic_{FLAGS.scale}"
   )
-  runs = [r for r in grid(scale) if not FLAGS.only or any(s in run_name(*r) for s in FLAGS.only)]
+  runs = [r for r in grid(scale) if not FLAGS.only or selected(run_name(*r), FLAGS.only)]
   for i, (task, encoding, randomized) in enumerate(runs, start=1):
     name = run_name(task, encoding, randomized)
     path = os.path.join(out, name.replace("/", "__") + ".json")

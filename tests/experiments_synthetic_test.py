@@ -43,3 +43,14 @@ def test_tiny_grid_writes_every_output_and_resumes(tmp_path):
   assert again.returncode == 0, again.stderr[-3000:]
   assert again.stdout.count("done before, skipped") == 2
   assert len(list(csv.DictReader(open(out / "results.csv")))) == 6 * 5
+
+
+def test_only_selects_by_substring_and_anchors_with_a_dollar():
+  sys.path.insert(0, os.path.join(REPO, "experiments"))
+  import synthetic
+
+  names = ["copy/rope", "copy/rope+randomized", "copy/prope", "passkey/rope"]
+  pick = lambda only: [n for n in names if synthetic.selected(n, only)]  # noqa: E731
+  assert pick(["copy/rope"]) == ["copy/rope", "copy/rope+randomized"]
+  assert pick(["copy/rope$"]) == ["copy/rope"]
+  assert pick(["/rope$", "prope"]) == ["copy/rope", "copy/prope", "passkey/rope"]
