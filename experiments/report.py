@@ -154,6 +154,25 @@ def _protocol_only(result: dict, protocol: str) -> dict:
   return {**result, "records": [r for r in result["records"] if r["protocol"] == protocol]}
 
 
+def _mlm_curve_table(records: Sequence[dict]) -> list[str]:
+  """Validation MLM loss at L at each evaluation step: the curves of the RoFormer Fig. 3."""
+  curves = {
+    r["run"]: {m["step"]: m["eval_loss"] for m in r.get("metrics", []) if "eval_loss" in m}
+    for r in records
+  }
+  steps = sorted({step for curve in curves.values() for step in curve})
+  if not steps:
+    return []
+  lines = ["", "## Validation MLM loss at L during training (nats)", ""]
+  lines += ["| encoding | " + " | ".join(str(n) for n in steps) + " |"]
+  lines += ["|---|" + "---|" * len(steps)]
+  for run, curve in curves.items():
+    if curve:
+      cells = [f"{curve[n]:.3f}" if n in curve else "–" for n in steps]
+      lines.append(f"| {run} | " + " | ".join(cells) + " |")
+  return lines
+
+
 def write_mlm(records: Sequence[dict], out: pathlib.Path, *, seq_len: int, scale: str):
   """results.csv (with accuracy), table.md and curves.png of the MLM grid."""
   import matplotlib
@@ -191,6 +210,7 @@ def write_mlm(records: Sequence[dict], out: pathlib.Path, *, seq_len: int, scale
       else:
         cells.append(f"{float(row['loss']):.3f} / {float(row['accuracy']):.3f}")
     lines.append(f"| {record['run']} | " + " | ".join(cells) + " |")
+  lines += _mlm_curve_table(records)
   lines += ["", "## Wall time", ""] + _wall_table(records) + [""]
   (out / "table.md").write_text("\n".join(lines))
 
