@@ -22,6 +22,24 @@ PROTOCOL_STYLES = {
 }
 
 
+# Past this many lines a legend inside the axes hides the curves it names: it goes below them.
+LEGEND_INSIDE_MAX = 8
+
+
+def _legend(fig, ax) -> None:
+  """A legend in the axes for a few lines; below the axes, in two columns, for a grid's many."""
+  lines = [line for line in ax.lines if not line.get_label().startswith("_")]
+  if not lines:
+    return
+  if len(lines) <= LEGEND_INSIDE_MAX:
+    ax.legend(fontsize=8)
+    return
+  ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
+  rows = (len(lines) + 1) // 2
+  width, height = fig.get_size_inches()
+  fig.set_size_inches(width, max(height, 4.6 + 0.16 * rows))
+
+
 def run_label(name: str, result: dict) -> str:
   """Legend label of one run: its name, encoding, any RoPE scaling applied at evaluation, and
   the result's notes (attention window, "no BCA", sliding stride)."""
@@ -115,14 +133,13 @@ def plot_runs(runs: Sequence[tuple[str, dict, int]], path, *, title: str = "") -
   ax_len.set_ylabel("perplexity")
   ax_len.set_title("perplexity vs evaluation length")
   ax_len.grid(True, which="major", alpha=0.3)
-  if ax_len.lines:
-    ax_len.legend(fontsize=8)
+  _legend(fig, ax_len)
   ax_pos.set_xlabel("position in window")
   ax_pos.set_ylabel("mean loss (nats)")
   ax_pos.set_title("loss by position in the window (longest length)")
   ax_pos.grid(True, alpha=0.3)
   if has_positions:
-    ax_pos.legend(fontsize=8)
+    _legend(fig, ax_pos)
   if title:
     fig.suptitle(title)
   buffer = io.BytesIO()
