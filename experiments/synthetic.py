@@ -242,14 +242,20 @@ def main(argv):
       f"[{i}/{len(runs)}] {name}: {time.perf_counter() - start:.0f}s, exact match {summary}",
       flush=True,
     )
-  # The summaries cover every finished run in OUT, also those of earlier --only invocations.
+    summarize(out)  # after every run: a grid stopped part way leaves summaries of what it did
+  count = summarize(out)
+  print(f"wrote {out}/results.csv, table.md and one PNG per task ({count} runs)", flush=True)
+
+
+def summarize(out: str) -> int:
+  """Rewrites OUT's CSV, table and plots from every run JSON there (earlier --only runs too)."""
   results = []
   for file in sorted(os.listdir(out)):
     if file.endswith(".json"):
       with open(os.path.join(out, file)) as f:
         results.append(json.load(f))
   write_summaries(out, results)
-  print(f"wrote {out}/results.csv, table.md and one PNG per task ({len(results)} runs)", flush=True)
+  return len(results)
 
 
 if __name__ == "__main__":
