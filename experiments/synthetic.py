@@ -167,6 +167,14 @@ def run_one(scale: Scale, task: str, encoding: str, randomized: bool, workdir: s
   }
 
 
+def grid_order(result: dict) -> tuple:
+  """Sort key of run results: the order of ENCODINGS, each without then with randomization."""
+  names = list(ENCODINGS)
+  encoding = result["encoding"]
+  return (names.index(encoding) if encoding in names else len(names), encoding,
+          result["randomized"])  # fmt: skip
+
+
 def write_summaries(out: str, results: list[dict]) -> None:
   """results.csv, one PNG per task and table.md from every run's JSON."""
   from roformer import task_plot
@@ -184,11 +192,15 @@ def write_summaries(out: str, results: list[dict]) -> None:
         )  # fmt: skip
   lines = ["# Synthetic tasks: exact match against task length", ""]
   for task in dict.fromkeys(r["task"] for r in results):
-    runs = [r for r in results if r["task"] == task]
-    task_plot.plot_task_runs(
-      [(r["encoding"] + (" + randomized" if r["randomized"] else ""), r) for r in runs],
+    runs = sorted((r for r in results if r["task"] == task), key=grid_order)
+    panels = [
+      (title, [(r["encoding"], r) for r in runs if r["randomized"] == randomized])
+      for title, randomized in (("positions 0, 1, 2, ...", False), ("randomized positions", True))
+    ]
+    task_plot.plot_task_grid(
+      [(title, panel) for title, panel in panels if panel],
       os.path.join(out, f"{task}.png"),
-      title=f"{task}: exact match (solid) and per-token accuracy (dashed)",
+      title=f"{task}: exact match against length",
     )
     for r in runs:
       if "passkey_depths" in r:

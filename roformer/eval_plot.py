@@ -26,7 +26,7 @@ PROTOCOL_STYLES = {
 LEGEND_INSIDE_MAX = 8
 
 
-def _legend(fig, ax) -> None:
+def place_legend(fig, ax) -> None:
   """A legend in the axes for a few lines; below the axes, in two columns, for a grid's many."""
   lines = [line for line in ax.lines if not line.get_label().startswith("_")]
   if not lines:
@@ -133,13 +133,13 @@ def plot_runs(runs: Sequence[tuple[str, dict, int]], path, *, title: str = "") -
   ax_len.set_ylabel("perplexity")
   ax_len.set_title("perplexity vs evaluation length")
   ax_len.grid(True, which="major", alpha=0.3)
-  _legend(fig, ax_len)
+  place_legend(fig, ax_len)
   ax_pos.set_xlabel("position in window")
   ax_pos.set_ylabel("mean loss (nats)")
   ax_pos.set_title("loss by position in the window (longest length)")
   ax_pos.grid(True, alpha=0.3)
   if has_positions:
-    _legend(fig, ax_pos)
+    place_legend(fig, ax_pos)
   if title:
     fig.suptitle(title)
   buffer = io.BytesIO()

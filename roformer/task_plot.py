@@ -37,6 +37,27 @@ def _save(fig, path) -> epath.Path:
   return path
 
 
+def _colors(count: int) -> list:
+  """Matplotlib's 10-colour cycle, two more for a grid of 12, 20 colours past that."""
+  cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+  if count <= len(cycle) + 2:
+    return [*cycle, "black", "gold"]
+  return list(plt.get_cmap("tab20").colors)
+
+
+def _shade_training_range(ax, runs: Sequence[tuple[str, dict]]) -> None:
+  lo, hi = runs[0][1].get("train_lengths", (0, 0)) if runs else (0, 0)
+  if hi:
+    ax.axvspan(lo, hi, color="0.9", zorder=0, label="training lengths")
+
+
+def _length_axis(ax) -> None:
+  ax.set_xscale("log", base=2)
+  ax.set_ylim(-0.02, 1.02)
+  ax.set_xlabel("task length")
+  ax.grid(True, alpha=0.3)
+
+
 def plot_task_runs(runs: Sequence[tuple[str, dict]], path, *, title: str = "") -> epath.Path:
   """Exact match (solid) and per-token accuracy (dashed) against task length for several runs.
 
@@ -48,7 +69,7 @@ def plot_task_runs(runs: Sequence[tuple[str, dict]], path, *, title: str = "") -
     title: figure title.
   """
   fig, ax = plt.subplots(figsize=(7.5, 4.6), constrained_layout=True)
-  colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+  colors = _colors(len(runs))
   for i, (label, result) in enumerate(runs):
     points = [r for r in result["records"] if "skipped" not in r]
     if not points:
@@ -57,20 +78,61 @@ def plot_task_runs(runs: Sequence[tuple[str, dict]], path, *, title: str = "") -
     color = colors[i % len(colors)]
     ax.plot(xs, [r["exact_match"] for r in points], "-o", color=color, label=label)
     ax.plot(xs, [r["token_accuracy"] for r in points], "--", color=color, alpha=0.6)
-  if runs:
-    lo, hi = runs[0][1].get("train_lengths", (0, 0))
-    if hi:
-      ax.axvspan(lo, hi, color="0.9", zorder=0, label="training lengths")
-  ax.set_xscale("log", base=2)
-  ax.set_ylim(-0.02, 1.02)
-  ax.set_xlabel("task length")
+  _shade_training_range(ax, runs)
+  _length_axis(ax)
   ax.set_ylabel("accuracy (solid: exact match, dashed: per token)")
-  ax.grid(True, alpha=0.3)
-  if ax.lines:
-    ax.legend(fontsize=8)
+  eval_plot.place_legend(fig, ax)
   task = runs[0][1].get("task", "") if runs else ""
   ax.set_title(title or f"{task}: accuracy vs length")
   return _save(fig, path)
+
+
+def plot_task_grid(
+  panels: Sequence[tuple[str, Sequence[tuple[str, dict]]]], path, *, title: str = ""
+) -> epath.Path:
+  """Exact match against task length, one panel per group of runs (a grid's many encodings).
+
+  Args:
+    panels: (panel title, [(label, task JSON dict), ...]) per panel.
+    path: output PNG path (local or gs://).
+    title: figure title.
+  """
+  return _save(task_grid_figure(panels, title=title), path)
+
+
+def task_grid_figure(
+  panels: Sequence[tuple[str, Sequence[tuple[str, dict]]]], *, title: str = ""
+) -> plt.Figure:
+  """The figure of `plot_task_grid`. A label keeps its colour in every panel, so an encoding can
+  be followed from one panel (consecutive positions) to the next (randomized positions); one
+  legend below the panels names each label once."""
+  labels = list(dict.fromkeys(label for _, runs in panels for label, _ in runs))
+  colors = _colors(len(labels))
+  color_of = {label: colors[i % len(colors)] for i, label in enumerate(labels)}
+  fig, axes = plt.subplots(
+    1, len(panels), figsize=(5.2 * len(panels), 5.4), sharey=True, squeeze=False
+  )
+  for ax, (panel_title, runs) in zip(axes[0], panels, strict=True):
+    for label, result in runs:
+      points = [r for r in result["records"] if "skipped" not in r]
+      if points:
+        xs = [r["length"] for r in points]
+        ys = [r["exact_match"] for r in points]
+        ax.plot(xs, ys, "-o", markersize=4, color=color_of[label], label=label)
+    _shade_training_range(ax, runs)
+    _length_axis(ax)
+    ax.set_title(panel_title)
+  axes[0][0].set_ylabel("exact match")
+  by_name = {}  # every panel's labels, each once
+  for ax in axes[0]:
+    for handle, name in zip(*ax.get_legend_handles_labels(), strict=True):
+      by_name.setdefault(name, handle)
+  fig.legend(by_name.values(), by_name.keys(), loc="lower center", ncol=min(len(by_name), 7),
+             fontsize=8, frameon=False)  # fmt: skip
+  fig.suptitle(title)
+  rows = -(-len(by_name) // 7)
+  fig.tight_layout(rect=(0, 0.04 + 0.035 * rows, 1, 1))
+  return fig
 
 
 def plot_passkey_heatmap(result: dict, path) -> epath.Path:

@@ -70,6 +70,27 @@ def test_task_plots_are_written(tmp_path):
   assert png.read_bytes()[:4] == heat.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_task_grid_keeps_each_label_one_colour_and_one_legend_entry(tmp_path):
+  def result(exact):
+    records = [{"length": n, "exact_match": exact, "token_accuracy": exact} for n in (4, 16)]
+    return {"task": "copy", "train_lengths": [4, 8], "records": records}
+
+  panels = [
+    ("plain", [("rope", result(1.0)), ("alibi", result(0.5))]),
+    ("randomized", [("alibi", result(0.25)), ("rope", result(0.0))]),
+  ]
+  fig = task_plot.task_grid_figure(panels, title="copy")
+  left, right = fig.axes
+  color = {ax: {line.get_label(): line.get_color() for line in ax.lines} for ax in (left, right)}
+  assert color[left] == color[right]  # the same encoding, the same colour, in either order
+  assert color[left]["rope"] != color[left]["alibi"]
+  assert [line.get_ydata()[0] for line in right.lines] == [0.25, 0.0]
+  names = [text.get_text() for text in fig.legends[0].get_texts()]
+  assert names == ["rope", "alibi", "training lengths"]
+  png = task_plot.plot_task_grid(panels, tmp_path / "grid.png")
+  assert png.read_bytes()[:4] == b"\x89PNG"
+
+
 def test_compare_draws_task_curves_of_several_runs(tmp_path):
   for name in ("a", "b"):
     result = {
