@@ -122,10 +122,10 @@ def get_config() -> ml_collections.ConfigDict:
   # rope / xpos, p-RoPE (Barbero et al. 2024): fraction of the lowest frequencies set to zero
   # (they do not rotate); p = 1 - rope_truncate. 0 = plain RoPE.
   posenc.rope_truncate = 0.0
-  # Randomized positions (Ruoss et al. 2023), any kind, training only: each training sequence
-  # takes a sorted random subset of [0, randomize_max) as its positions (drawn from seed and
-  # step); evaluation uses consecutive positions. 0 = off; else >= data.seq_len (and
-  # <= posenc.max_len for learned).
+  # Randomized positions (Ruoss et al. 2023), any kind that reads positions (not nope or cope),
+  # training only: each training sequence takes a sorted random subset of [0, randomize_max) as
+  # its positions (drawn from seed and step); evaluation uses consecutive positions. 0 = off;
+  # else >= data.seq_len (and <= posenc.max_len for learned).
   posenc.randomize_max = 0
   # fire: hidden width of the MLP f_theta (paper: 32).
   posenc.fire_mlp_width = 32

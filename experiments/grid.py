@@ -173,8 +173,6 @@ def run_grid(
   `report(records)` rewrites the grid's tables and plots after each finished run, so a grid
   stopped part-way leaves results for the runs it finished.
   """
-  from roformer import train_lib
-
   out.mkdir(parents=True, exist_ok=True)
   progress = Progress(len(runs))
   records = []
@@ -196,14 +194,9 @@ def run_grid(
       overrides["train.init_from"] = str(workroot / run.init_from)
     config = make_config(base, overrides)
     t0 = time.time()
-    last_eval = train_lib.train_and_evaluate(config, str(workdir))
+    last_eval = train_to_end(run.name, config, workdir)
     train_seconds = time.time() - t0
     metrics = _read_metrics(workdir)
-    trained = max((m["step"] for m in metrics if "train_loss" in m), default=0)
-    if trained < config.train.num_train_steps:
-      # A signal stopped training (its checkpoint is saved): the run is not done, and a rerun
-      # resumes it.
-      raise SystemExit(f"{run.name} stopped at step {trained}; rerun the grid to resume it")
     evaluations = []
     for ev in run.evals:
       evaluations.append(_evaluate(workdir, ev))
@@ -247,6 +240,21 @@ def _evaluate(workdir: pathlib.Path, ev: Eval) -> dict:
       workdir, out=name, log=lambda line: print("    " + line, flush=True), **ev.kwargs
     )
   return {"scaling": ev.scaling, "result": result}
+
+
+def train_to_end(name: str, config, workdir: pathlib.Path) -> dict:
+  """train_lib.train_and_evaluate, and exit the grid if a signal stopped it before its last step.
+
+  SIGTERM/SIGINT make training save a checkpoint and return early; evaluating that checkpoint
+  would record a half-trained model as the run's result, so the grid exits and a rerun resumes.
+  """
+  from roformer import train_lib
+
+  last_eval = train_lib.train_and_evaluate(config, str(workdir))
+  trained = max((m["step"] for m in _read_metrics(workdir) if "train_loss" in m), default=0)
+  if trained < config.train.num_train_steps:
+    raise SystemExit(f"{name} stopped at step {trained}; rerun the grid to resume it")
+  return last_eval
 
 
 def _read_metrics(workdir: pathlib.Path) -> list[dict]:

@@ -100,3 +100,39 @@ def test_grid_run_piecewise_with_only_reports_every_finished_run(tmp_path):
     runs = {r["run"] for r in csv.DictReader(f)}
   expected = {"alibi", "alibi_short", "sinusoidal", "sinusoidal_short", "sinusoidal_short_seed1"}
   assert runs == expected
+
+
+def _fake_training(monkeypatch, last_step):
+  """train_and_evaluate replaced by one that logs training up to `last_step`, as a signal would."""
+  from roformer import train_lib
+
+  def train_and_evaluate(config, workdir):
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
+      for step in range(1, last_step + 1):
+        f.write(json.dumps({"step": step, "train_loss": 1.0}) + "\n")
+    return {}
+
+  monkeypatch.setattr(train_lib, "train_and_evaluate", train_and_evaluate)
+
+
+def test_a_run_stopped_before_its_last_step_ends_the_grid_instead_of_being_scored(
+  tmp_path, monkeypatch
+):
+  monkeypatch.syspath_prepend(str(REPO / "experiments"))
+  import synthetic
+
+  scale = synthetic.SCALES["tiny"]
+  steps = scale.train["num_train_steps"]
+  evaluated = []
+  monkeypatch.setattr(
+    "roformer.eval_tasks.evaluate_tasks", lambda *a, **k: evaluated.append(a) or ({}, None)
+  )
+  _fake_training(monkeypatch, last_step=steps - 1)
+  with pytest.raises(SystemExit, match=f"copy/rope stopped at step {steps - 1}"):
+    synthetic.run_one(scale, "copy", "rope", False, str(tmp_path / "stopped"))
+  assert evaluated == []
+
+  _fake_training(monkeypatch, last_step=steps)
+  record = synthetic.run_one(scale, "copy", "rope", False, str(tmp_path / "finished"))
+  assert len(evaluated) == 1 and record["run"] == "copy/rope"

@@ -193,6 +193,14 @@ def test_randomize_max_reaches_the_learned_table_check():
   )
 
 
+@pytest.mark.parametrize("kind", ["nope", "cope"])
+def test_randomize_max_is_refused_for_encodings_that_never_read_positions(kind):
+  with pytest.raises(ValueError, match=f"posenc.kind='{kind}' never reads"):
+    posenc.validate_posenc(PosEncConfig(kind=kind, randomize_max=128), causal=True, head_dim=4)
+  posenc.validate_posenc(PosEncConfig(kind=kind), causal=True, head_dim=4)
+  posenc.validate_posenc(PosEncConfig(kind="rope", randomize_max=128), causal=True, head_dim=4)
+
+
 def test_new_bias_gradients_reach_their_parameters():
   for kind, names in (("kerple", ("r1", "r2")), ("fire", ("w1", "w2", "c", "l_multiplier"))):
     pe = make(kind, fire_init_threshold=4.0)

@@ -76,6 +76,11 @@ def validate_posenc(
     )
   if cfg.randomize_max < 0:
     raise ValueError(f"posenc.randomize_max={cfg.randomize_max} must be >= 0 (0 = off)")
+  if cfg.randomize_max and not cls.reads_positions:
+    raise ValueError(
+      f"posenc.randomize_max={cfg.randomize_max} randomizes the token positions, which "
+      f"posenc.kind={cfg.kind!r} never reads (training would be unchanged); set it to 0"
+    )
   if cls.content_bias is not None and attention_impl == "chunked":
     raise ValueError(
       f"posenc.kind={cfg.kind!r} adds a content-dependent bias that only the dense kernel "

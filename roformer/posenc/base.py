@@ -30,6 +30,8 @@ class PosEnc(nnx.Module):
     paper_eval_window: the attention its paper evaluated long inputs with: "none" (full causal
       attention) or "blockwise" (xPos's blockwise causal attention at the training length);
       evaluation labels a curve run without it.
+    reads_positions: whether its output depends on the token positions at all (NoPE's and CoPE's
+      do not, so `posenc.randomize_max` would change nothing and is refused).
   """
 
   paper_embed_scale = "none"
@@ -38,6 +40,7 @@ class PosEnc(nnx.Module):
   causal_reason = ""
   decays_parameters = False
   paper_eval_window = "none"
+  reads_positions = True
 
   def __init__(
     self,
@@ -147,6 +150,7 @@ class NoPE(PosEnc):
   )
   # The paper's models are Hugging Face T5 decoders: tokens N(0, 1), tied logits times d^-0.5.
   paper_embed_scale = "sqrt_d"
+  reads_positions = False
 
 
 def check_positions(pos: jax.Array, name: str, leading: tuple[int, ...] | None = None) -> None:

@@ -68,6 +68,7 @@ class Cope(PosEnc):
 
   causal_only = True
   causal_reason = "its positions count the keys from j up to the query"
+  reads_positions = False  # its positions come from the gates, never from the token positions
 
   def __init__(self, cfg: PosEncConfig, *, head_dim: int, **kwargs):
     super().__init__(cfg, head_dim=head_dim, **kwargs)
