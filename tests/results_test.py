@@ -13,6 +13,7 @@ import extrapolation  # noqa: E402
 import grid  # noqa: E402
 import mlm  # noqa: E402
 import report  # noqa: E402
+import synthetic  # noqa: E402
 
 RESULTS = REPO / "results"
 GRID_DIRS = sorted(p.parent for p in RESULTS.glob("*/*/table.md") if p.parts[-3] != "synthetic")
@@ -66,3 +67,28 @@ def test_extrapolation_csv_has_the_documented_columns():
     with (directory / "results.csv").open() as f:
       header = next(csv.reader(f))
     assert header == list(grid.CSV_COLUMNS)
+
+
+SYNTHETIC = RESULTS / "synthetic"
+
+
+def test_committed_synthetic_results_are_the_whole_cpu_grid():
+  expected = {
+    synthetic.run_name(*run).replace("/", "__") + ".json"
+    for run in synthetic.grid_runs(synthetic.SCALES["cpu"])
+  }
+  assert {p.name for p in SYNTHETIC.glob("*.json")} == expected
+  heatmaps = {p.name for p in SYNTHETIC.glob("passkey_heatmap__*.png")}
+  assert heatmaps == {
+    n.replace("passkey__", "passkey_heatmap__").replace(".json", ".png")
+    for n in expected
+    if n.startswith("passkey__")
+  }
+
+
+def test_committed_synthetic_csv_and_table_are_what_the_run_jsons_give(tmp_path):
+  for path in SYNTHETIC.glob("*.json"):
+    (tmp_path / path.name).write_text(path.read_text())
+  synthetic.summarize(str(tmp_path))
+  for name in ("results.csv", "table.md"):
+    assert (tmp_path / name).read_text() == (SYNTHETIC / name).read_text(), name
