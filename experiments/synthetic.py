@@ -136,6 +136,9 @@ def make_config(scale: Scale, task: str, encoding: str, randomized: bool, seq_le
   for field, value in scale.model.items():
     config.model[field] = value
   config.model.attention_impl = "auto"
+  # One embedding scale for every encoding, as in the other grids: fairseq's N(0, 1/d) times
+  # sqrt(d) also helps the encodings whose papers used BERT's table, so "auto" would favour some.
+  config.model.embed_scale = "sqrt_d"
   config.model.attention_block = 128
   for field, value in {"kind": encoding, **ENCODINGS[encoding]}.items():
     config.posenc[field] = value
@@ -176,6 +179,7 @@ def run_one(scale: Scale, task: str, encoding: str, randomized: bool, workdir: s
     "run": run_name(task, encoding, randomized),
     "encoding": encoding,
     "randomized": randomized,
+    "embed_scale": config.model.embed_scale,
     "train_seconds": round(train_seconds, 1),
     **result,
   }

@@ -54,3 +54,15 @@ def test_only_selects_by_substring_and_anchors_with_a_dollar():
   assert pick(["copy/rope"]) == ["copy/rope", "copy/rope+randomized"]
   assert pick(["copy/rope$"]) == ["copy/rope"]
   assert pick(["/rope$", "prope"]) == ["copy/rope", "copy/prope", "passkey/rope"]
+
+
+def test_every_encoding_of_the_grid_trains_with_the_same_embedding_scale():
+  # Left at "auto", RoPE, learned, KERPLE, FIRE and CoPE would take BERT's N(0, 0.02^2) table
+  # and the others fairseq's sqrt(d) scaling: a difference between runs that is not the encoding.
+  sys.path.insert(0, os.path.join(REPO, "experiments"))
+  import synthetic
+
+  scale = synthetic.SCALES["cpu"]
+  runs = synthetic.grid_runs(scale)
+  configs = [synthetic.make_config(scale, *run, seq_len_8x=64) for run in runs]
+  assert {c.model.embed_scale for c in configs} == {"sqrt_d"}

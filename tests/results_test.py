@@ -2,6 +2,7 @@
 results table in the README is copied verbatim from one of those tables."""
 
 import csv
+import json
 import re
 import sys
 
@@ -78,6 +79,9 @@ def test_committed_synthetic_results_are_the_whole_cpu_grid():
     for run in synthetic.grid_runs(synthetic.SCALES["cpu"])
   }
   assert {p.name for p in SYNTHETIC.glob("*.json")} == expected
+  # Runs trained under other settings (here the embedding scale) would not be one grid.
+  for path in SYNTHETIC.glob("*.json"):
+    assert json.loads(path.read_text())["embed_scale"] == "sqrt_d", path.name
   heatmaps = {p.name for p in SYNTHETIC.glob("passkey_heatmap__*.png")}
   assert heatmaps == {
     n.replace("passkey__", "passkey_heatmap__").replace(".json", ".png")
