@@ -102,6 +102,11 @@ def run_name(task: str, encoding: str, randomized: bool) -> str:
   return f"{task}/{encoding}" + ("+randomized" if randomized else "")
 
 
+def file_stem(name: str) -> str:
+  """The run's name as a file name: its JSON is `<stem>.json`, its workdir `<stem>`."""
+  return name.replace("/", "__")
+
+
 def selected(name: str, only: list[str]) -> bool:
   """True if `name` contains one of `only` (an entry ending in $ must end `name`)."""
   return any(name.endswith(s[:-1]) if s.endswith("$") else s in name for s in only)
@@ -258,12 +263,12 @@ def main(argv):
   runs = [r for r in grid_runs(scale) if not FLAGS.only or selected(run_name(*r), FLAGS.only)]
   for i, (task, encoding, randomized) in enumerate(runs, start=1):
     name = run_name(task, encoding, randomized)
-    path = os.path.join(out, name.replace("/", "__") + ".json")
+    path = os.path.join(out, file_stem(name) + ".json")
     if os.path.exists(path):
       print(f"[{i}/{len(runs)}] {name}: done before, skipped", flush=True)
       continue
     start = time.perf_counter()
-    result = run_one(scale, task, encoding, randomized, os.path.join(root, name.replace("/", "__")))
+    result = run_one(scale, task, encoding, randomized, os.path.join(root, file_stem(name)))
     with open(path, "w") as f:
       json.dump(result, f, indent=2)
     scored = [rec for rec in result["records"] if "skipped" not in rec]
