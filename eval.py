@@ -43,12 +43,18 @@ flags.DEFINE_list(
   "'default' = the training range to 8x.",
 )
 flags.DEFINE_integer("task_examples", 128, "Examples per task length (and per passkey depth).")
+flags.DEFINE_integer(
+  "position_draws",
+  4,
+  "Runs trained with randomized positions: draws of sorted random positions averaged over "
+  "(each sequence takes a fresh subset of [0, posenc.randomize_max), as in training).",
+)
 
 # Flags that only evaluating one --workdir reads (an error with --compare).
 WORKDIR_FLAGS = (
   "workdir", "lengths", "protocol", "stride", "max_tokens", "split", "step", "batch_size",
   "rope_scaling", "rope_factor", "window", "bca", "data_files", "overwrite", "task_lengths",
-  "task_examples",
+  "task_examples", "position_draws",
 )  # fmt: skip
 
 
@@ -116,6 +122,7 @@ def main(argv):
         batch_size=FLAGS.batch_size,
         step=FLAGS.step,
         out=FLAGS.out,
+        position_draws=FLAGS.position_draws,
         log=lambda line: print(line, flush=True),
       )
       return
@@ -137,6 +144,7 @@ def main(argv):
       data_files=FLAGS.data_files,
       out=FLAGS.out,
       overwrite=FLAGS.overwrite,
+      position_draws=FLAGS.position_draws,
       log=lambda line: print(line, flush=True),
     )
   except (ValueError, FileNotFoundError, FileExistsError) as e:

@@ -122,10 +122,11 @@ def get_config() -> ml_collections.ConfigDict:
   # rope / xpos, p-RoPE (Barbero et al. 2024): fraction of the lowest frequencies set to zero
   # (they do not rotate); p = 1 - rope_truncate. 0 = plain RoPE.
   posenc.rope_truncate = 0.0
-  # Randomized positions (Ruoss et al. 2023), any kind that reads positions (not nope or cope),
-  # training only: each training sequence takes a sorted random subset of [0, randomize_max) as
-  # its positions (drawn from seed and step); evaluation uses consecutive positions. 0 = off;
-  # else >= data.seq_len (and <= posenc.max_len for learned).
+  # Randomized positions (Ruoss et al. 2023), any kind that reads positions (not nope or cope):
+  # each sequence (each packed document) takes a sorted random subset of [0, randomize_max) of
+  # its own length as its positions, in training (drawn from seed and step) and at evaluation
+  # (eval.py averages over --position_draws draws), as the paper's code does. 0 = off; else
+  # >= data.seq_len (and <= posenc.max_len for learned).
   posenc.randomize_max = 0
   # fire: hidden width of the MLP f_theta (paper: 32).
   posenc.fire_mlp_width = 32
@@ -133,11 +134,17 @@ def get_config() -> ml_collections.ConfigDict:
   posenc.fire_init_c = 0.1
   # fire: initial threshold L of the normaliser psi(max(L, i)), learned (paper: 512).
   posenc.fire_init_threshold = 512.0
+  # fire: one MLP shared by every layer (the paper's FIRE-S) instead of one per layer (FIRE).
+  posenc.fire_shared = False
   # sandwich: dimension d' of the sinusoidal embeddings whose inner products form the bias
   # (0 = model.emb_dim, as in the paper).
   posenc.sandwich_dim = 0
-  # cope: number of learned position embeddings; contextual positions clamp to it - 1 (paper: 64).
-  posenc.cope_npos_max = 64
+  # cope: number of learned position embeddings; contextual positions clamp to it - 1.
+  # 0 = data.seq_len + 1, the default of the paper's code (the block size + 1).
+  posenc.cope_npos_max = 0
+  # cope: one position table shared by every layer instead of one per layer (the paper's code:
+  # --cope-shared, off by default).
+  posenc.cope_shared = False
   # RoPE context-extension scaling (also overridable at evaluation time).
   posenc.scaling = scaling = ml_collections.ConfigDict()
   # One of: none, linear, ntk, dynamic, ntk_by_parts, yarn, llama3.

@@ -306,7 +306,8 @@ def run_config_from_dict(config: Any, *, vocab_size: int | None = None) -> RunCo
 
   Returns:
     RunConfig, with posenc.scaling.original_max_len 0 replaced by the pretraining length: the
-    data.seq_len of the train.init_from run (a workdir with config.json), else data.seq_len.
+    data.seq_len of the train.init_from run (a workdir with config.json), else data.seq_len;
+    and posenc.cope_npos_max 0 by data.seq_len + 1 (CoPE's code: the block size + 1).
 
   Raises:
     ConfigError (a ValueError) naming the field and the allowed values.
@@ -328,6 +329,8 @@ def run_config_from_dict(config: Any, *, vocab_size: int | None = None) -> RunCo
   if scaling.original_max_len == 0:
     original = _init_from_seq_len(values["train"].get("init_from", "")) or data.seq_len
     scaling = dataclasses.replace(scaling, original_max_len=original)
+  if not posenc_values.get("cope_npos_max", 0):
+    posenc_values["cope_npos_max"] = data.seq_len + 1
   posenc = _build(PosEncConfig, posenc_values, "posenc", scaling=scaling)
   model_values = dict(values["model"])
   if vocab_size is not None:
@@ -462,6 +465,9 @@ def load_run_config(workdir: str | epath.Path) -> RunConfig:
   values = read_config_json(workdir)
   if values is None:
     raise FileNotFoundError(f"no {CONFIG_FILE} in {workdir}: is it a training workdir?")
+  # Runs written before CoPE and FIRE had a table / MLP per layer shared one across layers.
+  for field in ("cope_shared", "fire_shared"):
+    values.get("posenc", {}).setdefault(field, True)
   return run_config_from_dict(values)
 
 

@@ -15,6 +15,7 @@ import numpy as np
 from flax import nnx
 
 from roformer import data as data_lib
+from roformer import randomized_positions
 
 MODEL_KINDS = ("decoder", "encoder")
 PROTOCOLS = ("nonoverlapping", "sliding")
@@ -303,6 +304,58 @@ def score_windows(
   )
 
 
+def score_windows_at_positions(
+  model,
+  windows: Windows,
+  *,
+  batch_size: int,
+  randomize_max: int = 0,
+  seed: int = 0,
+  draws: int = randomized_positions.EVAL_DRAWS,
+  progress: Callable[[int, int], None] | None = None,
+) -> tuple[Scores, list[float]]:
+  """`score_windows` at the positions the run was trained with.
+
+  A run trained with randomized positions (`randomize_max` > 0) is scored `draws` times, each
+  window (each packed document) at a fresh sorted random subset of [0, randomize_max) of its own
+  length; the scores are summed over the draws, so the loss of `summarize` is their mean.
+
+  Returns:
+    (scores, the loss of each draw; [] for consecutive positions).
+  """
+  if not randomize_max:
+    return score_windows(model, windows, batch_size=batch_size, progress=progress), []
+  if draws < 1:
+    raise ValueError(f"--position_draws must be >= 1, got {draws}")
+  num_windows, length = windows.positions.shape
+  total, losses = None, []
+  for draw in range(draws):
+    positions = randomized_positions.randomize_positions(
+      jnp.asarray(windows.positions),
+      None if windows.segment_ids is None else jnp.asarray(windows.segment_ids),
+      max_position=randomize_max,
+      key=randomized_positions.eval_key(seed, draw, length),
+    )
+    drawn = dataclasses.replace(windows, positions=np.asarray(positions, np.int32))
+    scores = score_windows(
+      model,
+      drawn,
+      batch_size=batch_size,
+      progress=None
+      if progress is None
+      else (lambda done, _, d=draw: progress(d * num_windows + done, draws * num_windows)),
+    )
+    losses.append(scores.loss_sum / max(scores.weight_sum, 1e-30))
+    total = scores if total is None else _add_scores(total, scores)
+  return total, losses
+
+
+def _add_scores(a: Scores, b: Scores) -> Scores:
+  return Scores(
+    *(x + y for x, y in zip(dataclasses.astuple(a), dataclasses.astuple(b), strict=True))
+  )
+
+
 def summarize(scores: Scores, *, model_kind: str, num_tokens: int) -> dict:
   """The metrics dict of `evaluate_at_length` from summed scores."""
   if scores.weight_sum <= 0:
@@ -335,6 +388,7 @@ def evaluate_at_length(
   mlm_probability: float = 0.15,
   seed: int = 0,
   packed: bool = False,
+  randomize_max: int = 0,
   progress: Callable[[int, int], None] | None = None,
 ) -> dict:
   """Loss and perplexity of `model` on the evaluation span with windows of `length`.
@@ -355,6 +409,8 @@ def evaluate_at_length(
     batch_size: windows per jitted call.
     tokenizer, mlm_probability, seed: the encoder's deterministic BERT masking.
     packed: the run was trained with `data.pack` (see `make_windows`).
+    randomize_max: the run's posenc.randomize_max: > 0 scores at randomized positions as in
+      training (`score_windows_at_positions`, seeded by `seed`).
     progress: called as progress(windows_done, num_windows).
 
   Returns:
@@ -374,5 +430,12 @@ def evaluate_at_length(
     seed=seed,
     packed=packed,
   )
-  scores = score_windows(model, windows, batch_size=batch_size, progress=progress)
+  scores, _ = score_windows_at_positions(
+    model,
+    windows,
+    batch_size=batch_size,
+    randomize_max=randomize_max,
+    seed=seed,
+    progress=progress,
+  )
   return summarize(scores, model_kind=model_kind, num_tokens=windows.num_tokens)

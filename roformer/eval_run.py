@@ -12,7 +12,7 @@ import numpy as np
 from etils import epath
 from flax import nnx
 
-from roformer import checkpoint, config_lib, eval_lib, eval_plot
+from roformer import checkpoint, config_lib, eval_lib, eval_plot, randomized_positions
 from roformer import data as data_lib
 from roformer import model as model_lib
 from roformer import workdir as workdir_lib
@@ -176,6 +176,12 @@ def label_notes(model_cfg, *, trained_window: int, stride: int, protocols) -> li
 
 def unsupported_length(model_cfg, length: int) -> str | None:
   """Why `model_cfg` cannot run windows of `length` (e.g. a learned table too short), or None."""
+  randomize_max = model_cfg.posenc.randomize_max
+  if randomize_max and length > randomize_max:
+    return (
+      f"a run trained with randomized positions is evaluated at a sorted subset of [0, "
+      f"posenc.randomize_max={randomize_max}), which has no {length} distinct positions"
+    )
   try:
     model_lib.validate_model(model_cfg, seq_len=length)
   except ValueError as e:
@@ -270,6 +276,7 @@ def evaluate_workdir(
   data_files: str = "",
   out: str = "",
   overwrite: bool = False,
+  position_draws: int = randomized_positions.EVAL_DRAWS,
   log: Callable[[str], None] = print,
 ) -> tuple[dict, epath.Path]:
   """Evaluates a run's checkpoint at several lengths; writes DIR/eval/NAME.json and NAME.png.
@@ -291,6 +298,8 @@ def evaluate_workdir(
     data_files: a glob of other text, tokenized with the run's tokenizer.
     out: NAME; default `output_name(...)`.
     overwrite: replace an existing DIR/eval/NAME.json (else that is an error, before any work).
+    position_draws: a run trained with randomized positions is scored at this many draws of
+      them (`eval_lib.score_windows_at_positions`); the loss is their mean.
     log: where progress lines go.
 
   Returns:
@@ -380,15 +389,20 @@ def evaluate_workdir(
         seed=run_config.train.seed,  # the training loop's evaluation mask
         packed=run_config.data.pack,
       )
-      scores = eval_lib.score_windows(
+      scores, draw_losses = eval_lib.score_windows_at_positions(
         model,
         windows,
         batch_size=batch_size or max(1, AUTO_BATCH_TOKENS // length),
+        randomize_max=model_cfg.posenc.randomize_max,
+        seed=run_config.train.seed,
+        draws=position_draws,
         progress=_Progress(log, prefix, length),
       )
       metrics = eval_lib.summarize(scores, model_kind=model_kind, num_tokens=windows.num_tokens)
       record = {"length": length, "protocol": proto}
       record.update({k: metrics[k] for k in ("loss", "ppl", "tokens", "accuracy") if k in metrics})
+      if draw_losses:
+        record["loss_draws"] = draw_losses
       if proto == "sliding":
         record["stride"] = proto_stride
       if rope_scaling != "none":
@@ -423,6 +437,9 @@ def evaluate_workdir(
       protocols=protocols,
     ),
     "split": f"files:{data_files}" if data_files else split,
+    "positions": randomized_positions.protocol(
+      run_config.model.posenc.randomize_max, position_draws
+    ),
     "records": records,
     "per_position": per_position,
   }

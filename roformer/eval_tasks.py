@@ -7,7 +7,10 @@ prefix. For exact match this equals free-running greedy decoding: if every answe
 greedy decoding would have produced exactly the gold prefix at every step, and if one is wrong,
 greedy decoding is wrong at the first such token too (everything before it was right). Per-token
 accuracy is the teacher-forced one (it does not propagate earlier mistakes). Positions are
-consecutive from 0 (randomized training positions are training-only).
+consecutive from 0, except for a run trained with randomized positions: each example then takes a
+sorted random subset of [0, posenc.randomize_max) of its own length, as in training and as the
+paper's evaluation does, and the scores are the mean over `randomized_positions.EVAL_DRAWS` draws
+(each draw's scores are recorded too).
 
 Writes DIR/eval/task_vs_length.json and .png, and for passkey DIR/eval/passkey_heatmap.png
 (exact match by depth of the key x length).
@@ -24,7 +27,7 @@ import numpy as np
 from etils import epath
 from flax import nnx
 
-from roformer import config_lib, eval_run, task_plot
+from roformer import config_lib, eval_run, randomized_positions, task_plot
 from roformer.data import synthetic
 from roformer.data.tokenizer import ByteTokenizer
 
@@ -58,33 +61,62 @@ def make_predict(model) -> Callable:
   return lambda inputs_BT, positions_BT: predict(state, inputs_BT, positions_BT)
 
 
-def score_examples(predict, examples, *, batch_size: int) -> dict:
+def score_examples(
+  predict, examples, *, batch_size: int, randomize_max: int = 0, seed: int = 0,
+  draws: int = randomized_positions.EVAL_DRAWS,
+) -> dict:  # fmt: skip
   """Exact match and per-token accuracy of teacher-forced greedy predictions.
 
   Args:
     predict: from `make_predict`.
     examples: (tokens, is_answer) pairs, all of one length.
     batch_size: examples per forward pass (the last batch is filled with repeats, then dropped).
+    randomize_max: the run's posenc.randomize_max; > 0 scores every example at `draws` draws of
+      sorted random positions in [0, randomize_max) of its own length (from `seed`).
+    seed, draws: the draws' seed and number.
 
   Returns:
-    {"exact_match", "token_accuracy", "examples"}.
+    {"exact_match", "token_accuracy", "examples"}, with randomized positions the means over the
+    draws and each draw's scores as "exact_match_draws" and "token_accuracy_draws".
   """
   rows = synthetic.pad_examples(examples, len(examples[0][0]) - 1, pad_id=ByteTokenizer.pad_id)
+  if not randomize_max:
+    return {**_score_rows(predict, rows, len(examples), batch_size), "examples": len(examples)}
+  if draws < 1:
+    raise ValueError(f"--position_draws must be >= 1, got {draws}")
+  length = rows["inputs"].shape[1]
+  per_draw = []
+  for draw in range(draws):
+    positions = randomized_positions.randomize_positions(
+      jnp.asarray(rows["positions"]),
+      jnp.asarray(rows["segment_ids"]),
+      max_position=randomize_max,
+      key=randomized_positions.eval_key(seed, draw, length),
+    )
+    per_draw.append(
+      _score_rows(predict, dict(rows, positions=np.asarray(positions)), len(examples), batch_size)
+    )
+  result = {"examples": len(examples)}
+  for metric in ("exact_match", "token_accuracy"):
+    values = [d[metric] for d in per_draw]
+    result[metric] = float(np.mean(values))
+    result[f"{metric}_draws"] = values
+  return result
+
+
+def _score_rows(predict, rows: dict, count: int, batch_size: int) -> dict:
+  """Exact match and per-token accuracy of the first `count` padded rows."""
   exact, correct_tokens, answer_tokens = 0, 0, 0
-  for start in range(0, len(examples), batch_size):
-    idx = np.arange(start, start + batch_size) % len(examples)
+  for start in range(0, count, batch_size):
+    idx = np.arange(start, start + batch_size) % count
     pred = np.asarray(predict(rows["inputs"][idx], rows["positions"][idx]))
-    keep = start + np.arange(batch_size) < len(examples)
+    keep = start + np.arange(batch_size) < count
     answer = rows["weights"][idx] > 0
     right = (pred == rows["targets"][idx]) | ~answer
     exact += int(np.sum(right.all(axis=1) & keep))
     correct_tokens += int(np.sum((pred == rows["targets"][idx]) & answer & keep[:, None]))
     answer_tokens += int(np.sum(answer & keep[:, None]))
-  return {
-    "exact_match": exact / len(examples),
-    "token_accuracy": correct_tokens / max(answer_tokens, 1),
-    "examples": len(examples),
-  }
+  return {"exact_match": exact / count, "token_accuracy": correct_tokens / max(answer_tokens, 1)}
 
 
 def unsupported(model_cfg, task: str, n: int) -> str | None:
@@ -104,6 +136,7 @@ def evaluate_tasks(
   batch_size: int = 0,
   step: int | None = None,
   out: str = "",
+  position_draws: int = randomized_positions.EVAL_DRAWS,
   log: Callable[[str], None] = print,
 ) -> tuple[dict, epath.Path]:
   """Scores a synthetic-task run at several task lengths; writes DIR/eval/NAME.json and .png.
@@ -115,6 +148,7 @@ def evaluate_tasks(
     batch_size: examples per forward pass; 0 = about 16k tokens per pass.
     step: checkpoint step; None = latest.
     out: NAME (default task_vs_length).
+    position_draws: draws of positions averaged over, for a run trained with randomized ones.
     log: where progress lines go.
 
   Returns:
@@ -139,9 +173,16 @@ def evaluate_tasks(
   model, step = eval_run.restore_for_eval(workdir, run_config, model_cfg, step=step)
   predict = make_predict(model)
   seed = run_config.train.seed
+  randomize_max = model_cfg.posenc.randomize_max
+  positions = randomized_positions.protocol(randomize_max, position_draws)
   log(
     f"evaluating {workdir} step {step} (posenc {model_cfg.posenc.kind}) on task {data.task!r}: "
     f"lengths {lengths}, {num_examples} examples each"
+    + (
+      f", positions drawn from [0, {randomize_max}) as in training ({position_draws} draws)"
+      if randomize_max
+      else ""
+    )
   )
 
   def score(n, depth=None):
@@ -150,7 +191,12 @@ def evaluate_tasks(
     )
     tokens = len(examples[0][0]) - 1
     return score_examples(
-      predict, examples, batch_size=batch_size or max(1, AUTO_BATCH_TOKENS // tokens)
+      predict,
+      examples,
+      batch_size=batch_size or max(1, AUTO_BATCH_TOKENS // tokens),
+      randomize_max=randomize_max,
+      seed=seed,
+      draws=position_draws,
     )
 
   records = []
@@ -172,7 +218,8 @@ def evaluate_tasks(
   result = {
     "step": int(step),
     "posenc": model_cfg.posenc.kind,
-    "randomize_max": model_cfg.posenc.randomize_max,
+    "randomize_max": randomize_max,
+    "positions": positions,
     "task": data.task,
     "train_lengths": [data.task_min_len, data.task_max_len],
     "records": records,

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from roformer import model as model_lib
+from roformer.posenc import POSENCS
 
 
 def sample_next(
@@ -74,7 +75,7 @@ def _check(model, prompt_BP, max_new_tokens, temperature, top_k, top_p):
       "generate needs a causal decoder (model.kind='decoder'); an encoder (masked LM) predicts "
       "masked tokens from both sides and has no next-token distribution to sample"
     )
-  if model.posenc.content_bias is not None:
+  if POSENCS[model.cfg.posenc.kind].content_bias is not None:
     raise ValueError(
       f"posenc.kind={model.cfg.posenc.kind!r} biases attention by queries and keys together "
       "(a content-dependent position), which the decoding cache does not compute; it is "

@@ -18,7 +18,7 @@ from roformer.layers import DTYPES
 from roformer.layers import embed as _embed
 from roformer.layers import linear as _linear
 from roformer.layers import norm as _norm
-from roformer.posenc import POSENCS, make_posenc, validate_posenc
+from roformer.posenc import POSENCS, PosEnc, make_posenc, validate_posenc
 from roformer.posenc_config import PosEncConfig
 from roformer.seqwise import fold, seqwise
 
@@ -227,7 +227,7 @@ class Encoder(nnx.Module):
     self.token_type_embed = (
       _embed(cfg, cfg.type_vocab_size, E, rngs) if cfg.type_vocab_size else None
     )
-    self.posenc = _posenc(cfg, E, causal=False, rngs=rngs)
+    self.posenc = _model_posenc(cfg, E, causal=False, rngs=rngs)
     self.embed_norm = _norm(cfg, E, rngs)
     self.embed_project = (
       _linear(cfg, E, cfg.emb_dim, (None, "embed"), rngs) if E != cfg.emb_dim else None
@@ -305,7 +305,7 @@ class Decoder(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
     self.embed, self.embed_multiplier = _token_embed(cfg, cfg.emb_dim, rngs)
-    self.posenc = _posenc(cfg, cfg.emb_dim, causal=True, rngs=rngs)
+    self.posenc = _model_posenc(cfg, cfg.emb_dim, causal=True, rngs=rngs)
     self.layers = _make_layers(cfg, causal=True, pre_norm=True, rngs=rngs)
     self.final_norm = _norm(cfg, cfg.emb_dim, rngs)
     self.lm_head = (
@@ -461,18 +461,25 @@ class Block(nnx.Module):
     )
     self.mlp_norm = _norm(cfg, cfg.emb_dim, rngs)
     self.mlp = Mlp(cfg, rngs=rngs)
+    # An encoding with parameters per layer (CoPE, FIRE): this layer's own instance.
+    self.posenc = (
+      _posenc(cfg, cfg.emb_dim, causal=causal, rngs=rngs)
+      if POSENCS[cfg.posenc.kind].per_layer(cfg.posenc)
+      else None
+    )
 
   def __call__(
     self, x_BLD, pos_BL, posenc, *, segment_ids_BL=None, dropout_key=None, rotary_state=None
   ):
     """x [B, L, D] at positions [B, L] -> [B, L, D]; `dropout_key` None = no dropout.
 
-    `rotary_state` is `posenc.prepare` of the whole pass (None: prepared from `pos_BL`).
+    `rotary_state` is `posenc.prepare` of the whole pass (None: prepared from `pos_BL`); a layer
+    with an encoding of its own (`self.posenc`) uses that instead of the model's `posenc`.
     """
     o_BLHK = self.attn.attend(
       *self.attn.qkv(self.attn_norm(x_BLD) if self.pre_norm else x_BLD),
       pos_BL,
-      posenc,
+      posenc if self.posenc is None else self.posenc,
       segment_ids_BL=segment_ids_BL,
       dropout_key=fold(dropout_key, 0),
       rotary_state=rotary_state,
@@ -482,6 +489,7 @@ class Block(nnx.Module):
   def decode(self, x_BLD, pos_BL, posenc, cache, rotary_state):
     """Cached step over L new tokens (see `Decoder.decode`): ([B, L, D], updated cache)."""
     h_BLD = self.attn_norm(x_BLD) if self.pre_norm else x_BLD
+    posenc = posenc if self.posenc is None else self.posenc
     o_BLHK, cache = self.attn.decode(h_BLD, pos_BL, posenc, cache, rotary_state=rotary_state)
     return self._out_and_mlp(None, o_BLHK, x_BLD), cache
 
@@ -514,6 +522,23 @@ class Mlp(nnx.Module):
 
 
 # ---- Helpers ----
+
+
+def _model_posenc(cfg, emb_dim, *, causal, rngs):
+  """The model's encoding; for one with parameters per layer (`PosEnc.per_layer`) a
+  parameter-free instance whose `embed` and `prepare` are the identity, as that encoding's are."""
+  if POSENCS[cfg.posenc.kind].per_layer(cfg.posenc):
+    head_dim = ATTENTIONS[cfg.attention].rotary_head_dim(cfg, resolve_head_dim(cfg))
+    return PosEnc(
+      cfg.posenc,
+      num_heads=cfg.num_heads,
+      head_dim=head_dim,
+      emb_dim=emb_dim,
+      causal=causal,
+      param_dtype=DTYPES[cfg.param_dtype],
+      rngs=rngs,
+    )
+  return _posenc(cfg, emb_dim, causal=causal, rngs=rngs)
 
 
 def _posenc(cfg, emb_dim, *, causal, rngs):

@@ -50,5 +50,7 @@ class PosEncConfig:
   fire_mlp_width: int = 32  # fire: hidden width of the MLP
   fire_init_c: float = 0.1  # fire: initial c of psi(x) = log(c x + 1)
   fire_init_threshold: float = 512.0  # fire: initial threshold L of the normaliser max(L, i)
+  fire_shared: bool = False  # fire: one MLP for all layers (FIRE-S) instead of one per layer
   sandwich_dim: int = 0  # sandwich: dimension d' of the sinusoids; 0 = model.emb_dim
-  cope_npos_max: int = 64  # cope: number of position embeddings (positions clamp below it)
+  cope_npos_max: int = 0  # cope: number of position embeddings; 0 = data.seq_len + 1
+  cope_shared: bool = False  # cope: one table for all layers instead of one per layer

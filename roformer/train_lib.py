@@ -18,15 +18,22 @@ from absl import logging
 from etils import epath
 from flax import nnx
 
-from roformer import checkpoint, config_lib, metrics_log, prefetch, sharding, train_loop
+from roformer import (
+  checkpoint,
+  config_lib,
+  metrics_log,
+  prefetch,
+  randomized_positions,
+  sharding,
+  train_loop,
+)
 from roformer import data as data_lib
 from roformer import model as model_lib
 from roformer import workdir as workdir_lib
 from roformer.config_lib import ConfigError, RunConfig
 from roformer.optimizer import decay_mask as decay_mask
 from roformer.optimizer import make_optimizer, make_schedule
-from roformer.posenc import POSENCS
-from roformer.randomized_positions import randomize_positions
+from roformer.posenc import POSENCS, PosEnc
 from roformer.train_loop import (
   NonFiniteLossError,  # noqa: F401  (raised by train_and_evaluate)
   Setup,
@@ -136,12 +143,16 @@ def train_step(
   The loss is the sum of weighted token losses divided by the batch's total weight, so gradient
   accumulation over microbatches gives the same update as one big batch. Dropout keys are
   fold_in(key(seed), step) (then the microbatch index): a resumed run draws the same masks.
-  With `randomize_max` (posenc.randomize_max), the batch's positions are replaced by sorted
-  random subsets of [0, randomize_max) drawn from (seed, step) (`randomize_positions`).
+  With `randomize_max` (posenc.randomize_max), each document's positions are replaced by a sorted
+  random subset of [0, randomize_max) of its own length, drawn from (seed, step)
+  (`randomized_positions`).
   """
   if randomize_max:
-    positions_BL = randomize_positions(
-      batch["positions"], max_position=randomize_max, seed=seed, step=step
+    positions_BL = randomized_positions.randomize_positions(
+      batch["positions"],
+      batch.get("segment_ids"),
+      max_position=randomize_max,
+      key=randomized_positions.train_key(seed, step),
     )
     batch = dict(batch, positions=positions_BL)
   model = nnx.merge(model_def, model_state)
@@ -189,6 +200,10 @@ def train_step(
     (grads, sums), _ = jax.lax.scan(body, zeros, (jnp.arange(grad_accum_steps), micro_batches))
   grad_norm = optax.tree.norm(grads)
   optimizer.update(model, grads)
+  # Encodings whose parameters live in a constrained set (KERPLE's r >= 0.01) project them back.
+  for _, module in nnx.iter_modules(model):
+    if isinstance(module, PosEnc):
+      module.constrain()
   # A finite loss and gradient can still overflow the update into inf parameters.
   params_finite = jnp.all(
     jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(nnx.state(model, nnx.Param))])

@@ -104,6 +104,7 @@ def evaluate(loop: Loop, step: int) -> None:
       mlm_probability=rc.data.mlm_probability,
       seed=rc.train.seed,
       packed=rc.data.pack,
+      randomize_max=rc.model.posenc.randomize_max,
     )
   scalars = {
     "eval_loss": result["loss"],

@@ -103,6 +103,6 @@ def test_encoders_and_bad_arguments_are_refused_with_the_reason():
 
 
 def test_generation_refuses_a_content_dependent_encoding():
-  model = vh.random_model(vh.config("cope", None))
+  model = vh.random_model(vh.config("cope", {"cope_npos_max": 64}))
   with pytest.raises(ValueError, match="posenc.kind='cope'.*decoding cache"):
     gen.generate(model, vh.tokens(1, 4), max_new_tokens=2)

@@ -47,6 +47,30 @@ def test_kerple_clamps_r1_and_r2_at_the_papers_epsilon():
   np.testing.assert_allclose(got, [-0.01 * math.log(5.0), -math.log(1 + 0.04)], rtol=1e-6)
 
 
+def test_kerple_gradient_flows_below_the_clamp_and_constrain_clamps_in_place():
+  # A forward max(r, 0.01) has gradient 0 for r < 0.01: the parameter would never move again.
+  pe = make("kerple")
+  pe.r1[...] = jnp.asarray([0.001, 1.0])
+  pe.r2[...] = jnp.asarray([0.5, 0.005])
+
+  def loss(pe):
+    return pe.bias(pos(6), pos(0, 2, 5)).sum()
+
+  grads = nnx.grad(loss)(pe)
+  g1, g2 = np.asarray(grads.r1[...]), np.asarray(grads.r2[...])
+  assert g1[0] != 0 and g2[1] != 0
+  # Straight through: the gradient at r < eps is the gradient at r = eps.
+  at_eps = make("kerple")
+  at_eps.r1[...] = jnp.asarray([0.01, 1.0])
+  at_eps.r2[...] = jnp.asarray([0.5, 0.01])
+  eps_grads = nnx.grad(loss)(at_eps)
+  np.testing.assert_allclose(g1, np.asarray(eps_grads.r1[...]), rtol=1e-6)
+  np.testing.assert_allclose(g2, np.asarray(eps_grads.r2[...]), rtol=1e-6)
+  pe.constrain()
+  np.testing.assert_allclose(np.asarray(pe.r1[...]), [0.01, 1.0], rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(pe.r2[...]), [0.5, 0.01], rtol=1e-6)
+
+
 def test_kerple_initialisation_follows_the_paper():
   pe = make("kerple", num_heads=64)
   r1, r2 = np.asarray(pe.r1[...]), np.asarray(pe.r2[...])
@@ -116,7 +140,8 @@ def _cope_by_hand(q, k, pos_emb):
   out = np.zeros((L, L))
   for i in range(L):
     for j in range(i + 1):
-      p = sum(1 / (1 + math.exp(-q[i] @ k[t])) for t in range(j, i + 1))
+      # The gates read the scaled logits (the paper's code: sigmoid(q . k / sqrt(K))).
+      p = sum(1 / (1 + math.exp(-q[i] @ k[t] / math.sqrt(K))) for t in range(j, i + 1))
       p = min(p, P - 1)
       lo, hi = math.floor(p), math.ceil(p)
       w = p - lo
@@ -139,7 +164,7 @@ def test_cope_content_bias_matches_a_hand_computation():
   want = _cope_by_hand(q, k, pos_emb)
   np.testing.assert_allclose(np.asarray(got)[0, 0] * mask, want, rtol=1e-5, atol=1e-6)
   # The count reaches past P - 1 = 2 for the query at 3 and the first key: clamped there.
-  p_30 = sum(1 / (1 + math.exp(-q[3] @ k[t])) for t in range(4))
+  p_30 = sum(1 / (1 + math.exp(-q[3] @ k[t] / math.sqrt(2))) for t in range(4))
   assert p_30 > 2
   assert np.asarray(got)[0, 0, 3, 0] == pytest.approx(q[3] @ pos_emb[2] / math.sqrt(2), rel=1e-5)
 
@@ -151,7 +176,7 @@ def _qkv(L=12, H=2, K=4, seed=0):
 
 
 def test_cope_is_refused_by_the_chunked_kernel_and_routed_to_dense_by_auto():
-  pe = make("cope", num_heads=2, head_dim=4)
+  pe = make("cope", num_heads=2, head_dim=4, cope_npos_max=64)
   pe.pos_emb[...] = jnp.asarray(np.random.default_rng(1).standard_normal((64, 4)), jnp.float32)
   q, k, v, p = _qkv()
   kwargs = dict(causal=True, bias_fn=pe.bias, content_bias_fn=pe.content_bias, block=4)
@@ -211,3 +236,59 @@ def test_new_bias_gradients_reach_their_parameters():
     grads = nnx.grad(loss)(pe)
     for name in names:
       assert float(jnp.abs(getattr(grads, name)[...]).sum()) > 0, (kind, name)
+
+
+@pytest.mark.parametrize(
+  "kind, fields, param",
+  [("cope", {"cope_npos_max": 9}, "pos_emb"), ("fire", {}, "w2")],
+)
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_cope_and_fire_have_their_parameters_in_every_layer_unless_shared(
+  kind, fields, param, scan_layers
+):
+  # Both papers' models give each attention layer its own encoding (CoPE's code: a table per
+  # layer unless --cope-shared; FIRE, with FIRE-S its layer-shared variant).
+  import dataclasses
+
+  from roformer.model import ModelConfig, make_model
+
+  cfg = ModelConfig(
+    kind="decoder", num_layers=3, emb_dim=16, num_heads=2, mlp_dim=32, attention_impl="dense",
+    scan_layers=scan_layers, posenc=PosEncConfig(kind=kind, **fields),
+  )  # fmt: skip
+  with nnx.use_eager_sharding(False):
+    model = make_model(cfg, rngs=nnx.Rngs(0))
+  paths = ["/".join(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(model, nnx.Param))]
+  own = [p for p in paths if p.endswith(f"posenc/{param}")]
+  if scan_layers:
+    (path,) = own
+    assert path.startswith("layers/")
+    assert getattr(model.layers.posenc, param)[...].shape[0] == 3  # stacked: one per layer
+  else:
+    assert sorted(own) == [f"layers/{i}/posenc/{param}" for i in range(3)]
+  tokens = jnp.zeros((1, 6), jnp.int32)
+  positions = jnp.arange(6, dtype=jnp.int32)[None]
+  assert model(tokens, positions).shape == (1, 6, cfg.vocab_size)
+
+  shared_field = {"cope": "cope_shared", "fire": "fire_shared"}[kind]
+  shared_cfg = dataclasses.replace(
+    cfg, posenc=dataclasses.replace(cfg.posenc, **{shared_field: True})
+  )
+  with nnx.use_eager_sharding(False):
+    shared = make_model(shared_cfg, rngs=nnx.Rngs(0))
+  paths = ["/".join(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(shared, nnx.Param))]
+  assert [p for p in paths if p.endswith(f"posenc/{param}")] == [f"posenc/{param}"]
+
+
+def test_per_layer_encodings_give_layers_different_biases():
+  # A per-layer FIRE draws each layer's MLP from that layer's keys: layers differ.
+  from roformer.model import ModelConfig, make_model
+
+  cfg = ModelConfig(
+    kind="decoder", num_layers=2, emb_dim=16, num_heads=2, mlp_dim=32, attention_impl="dense",
+    posenc=PosEncConfig(kind="fire"),
+  )  # fmt: skip
+  with nnx.use_eager_sharding(False):
+    model = make_model(cfg, rngs=nnx.Rngs(0))
+  b0, b1 = (np.asarray(layer.posenc.bias(pos(0, 5), pos(0, 5))) for layer in model.layers)
+  assert np.abs(b0 - b1).max() > 1e-4

@@ -153,6 +153,66 @@ def test_gradient_accumulation_matches_one_big_batch():
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
+def _one_step(model, batch, **options):
+  optim = OptimConfig(learning_rate=1e-2, warmup_steps=0)
+  tx = train_lib.make_optimizer(optim, 10)
+  model_def, model_state = nnx.split(model)
+  opt_def, opt_state = nnx.split(nnx.Optimizer(model, tx, wrt=nnx.Param))
+  step = functools.partial(
+    train_lib.train_step,
+    model_def=model_def,
+    opt_def=opt_def,
+    schedule=train_lib.make_schedule(optim, 10),
+    seed=0,
+    grad_accum_steps=1,
+    **options,
+  )
+  model_state, _, metrics = jax.jit(step)(model_state, opt_state, batch, jnp.int32(0))
+  return nnx.merge(model_def, model_state), metrics
+
+
+def test_kerple_parameters_below_the_clamp_are_clamped_and_keep_training():
+  # The paper's code clamps r1, r2 >= 0.01 in place before every forward pass; the train step
+  # does so after every update, so a parameter pushed below 0.01 sits at 0.01, still trainable.
+  from roformer.posenc_config import PosEncConfig
+
+  cfg = ModelConfig(
+    num_layers=1, emb_dim=16, num_heads=2, mlp_dim=32, attention_impl="dense",
+    posenc=PosEncConfig(kind="kerple"),
+  )  # fmt: skip
+  model = make_model(cfg, rngs=nnx.Rngs(0))
+  model.posenc.r1[...] = jnp.asarray([-5.0, 1.0])
+  stepped, _ = _one_step(model, _batch(np.random.default_rng(0)))
+  r1 = np.asarray(stepped.posenc.r1[...])
+  assert r1[0] == pytest.approx(0.01) and r1[1] != pytest.approx(1.0)
+
+
+def test_randomized_training_positions_are_drawn_per_example(monkeypatch):
+  # The train step hands the batch's segment ids to the draw, so a short example padded to the
+  # row takes a subset of [0, N) of its own length (the padding is a document of its own).
+  from roformer import randomized_positions as rp
+
+  seen = {}
+
+  def spy(positions_BL, segment_ids_BL, **kwargs):
+    out = original(positions_BL, segment_ids_BL, **kwargs)
+    seen.update(segment_ids=segment_ids_BL, positions=out)
+    return out
+
+  original = rp.randomize_positions
+  monkeypatch.setattr(rp, "randomize_positions", spy)
+  batch = _batch(np.random.default_rng(0))
+  batch["segment_ids"][:, 5:] = 0  # 5-token examples, then padding
+  _one_step(_tiny_model(), batch, randomize_max=4096)
+  assert seen["segment_ids"] is not None
+  got = np.asarray(jax.jit(lambda p, s: original(p, s, max_position=4096, key=rp.train_key(0, 0)))(
+    batch["positions"], batch["segment_ids"]))  # fmt: skip
+  example = got[:, :5]
+  assert np.all(np.diff(example, axis=1) > 0)
+  # The 5 positions of each example spread over [0, 4096), far past the 16-token row.
+  assert example[:, -1].mean() > 2000
+
+
 @pytest.mark.parametrize("capacity", [6, 3], ids=["gathered", "row_over_capacity"])
 def test_mlm_head_at_masked_positions_matches_every_position(capacity):
   cfg = ModelConfig(

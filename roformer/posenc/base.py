@@ -81,6 +81,14 @@ class PosEnc(nnx.Module):
       )
 
   @classmethod
+  def per_layer(cls, cfg: PosEncConfig) -> bool:
+    """Whether every attention layer gets an instance of its own (its own parameters) instead of
+    the model's one. Only encodings that act through `bias` or `content_bias` alone can be per
+    layer: the model still calls `embed` and `prepare` once, on a parameter-free instance."""
+    del cfg
+    return False
+
+  @classmethod
   def acts_on_logits(cls) -> bool:
     """Whether the encoding adds a bias to attention logits (attention kinds without logits,
     such as linear attention, cannot honour it)."""
@@ -129,6 +137,10 @@ class PosEnc(nnx.Module):
     """Float32 attention-logit bias [B, H, L, S] for any block of positions, or None."""
     del qpos_BL, kpos_BS
     return None
+
+  def constrain(self) -> None:
+    """Projects the parameters back onto their allowed set; the train step calls it on every
+    encoding module after each optimizer update (identity here; KERPLE clamps its own)."""
 
   # Fourth hook, for content-dependent encodings (CoPE): a method
   # `content_bias(q_BLHK, k_BSGK, mask_BLS) -> float32 [B, H, L, S]` added to the scaled logits.

@@ -11,19 +11,20 @@ from roformer.posenc_config import PosEncConfig
 
 
 def cope_positions(q_BLHK, k_BSGK, mask_BLS):
-  """Contextual positions p_ij = sum_{t=j}^{i} sigmoid(q_i . k_t), float32 [B, H, L, S].
+  """Contextual positions p_ij = sum_{t=j}^{i} sigmoid(q_i . k_t / sqrt(K)), float32 [B, H, L, S].
 
-  Masked keys (after the query, other documents) get gate 0, as the paper's code does by adding
-  log(mask) to the logits before the sigmoid. The sum runs over keys from j to the last allowed
-  one, i.e. a reversed cumulative sum along the key axis (keys in sequence order).
+  The gates read the scaled logits, as the paper's listing and code do
+  (facebookresearch/RAM, projects/cope/src/cope/context_position.py: `sigmoid(gate_logits /
+  sqrt(head_dim))`), and masked keys (after the query, other documents) get gate 0: the code
+  multiplies the gates by the mask. The sum runs over keys from j to the last allowed one, i.e.
+  a reversed cumulative sum along the key axis (keys in sequence order).
   """
   B, L, H, K = q_BLHK.shape
   G = k_BSGK.shape[2]
   q_BLGRK = q_BLHK.reshape(B, L, G, H // G, K)
-  # Unscaled q . k, as in the paper (the 1/sqrt(K) comes after the position term is added).
   logits_BGRLS = jnp.einsum(
     "blgrk,bsgk->bgrls", q_BLGRK, k_BSGK, preferred_element_type=jnp.float32
-  )
+  ) / math.sqrt(K)
   gates_BHLS = jax.nn.sigmoid(logits_BGRLS).reshape(B, H, L, -1) * mask_BLS[:, None]
   return jnp.flip(jnp.cumsum(jnp.flip(gates_BHLS, -1), axis=-1), -1)
 
@@ -47,14 +48,16 @@ def cope_logits(q_BLHK, pos_BHLS, pos_emb_PK):
 
 
 class Cope(PosEnc):
-  """CoPE: a_ij = q_i . (k_j + e[p_ij]) / sqrt(K), p_ij = sum_{t=j}^{i} sigmoid(q_i . k_t).
+  """CoPE: a_ij = q_i . (k_j + e[p_ij]) / sqrt(K), p_ij = sum_{t=j..i} sigmoid(q_i . k_t / sqrt(K)).
 
   Positions count the keys whose gate is open between j and the query, so they depend on the
   content; fractional positions interpolate the learned embeddings e[0..P-1] (P =
-  posenc.cope_npos_max, 64 by default; zero-initialised as in the paper's code, so training
-  starts position-free like NoPE). The embeddings are one [P, K] table shared by the heads, as
-  in the paper's code, and by the layers (one encoding module per model; the paper has one per
-  layer). Causal decoders only: the count runs from the key up to the query.
+  posenc.cope_npos_max; 0 there means data.seq_len + 1, the default of the paper's code, block
+  size + 1, so no position the training length can reach is clamped). The table is
+  zero-initialised as in the paper's code, so training starts position-free like NoPE. It is one
+  [P, K] table shared by the heads, as in the code, and one per layer (`per_layer`), as the code
+  by default (its `--cope-shared` is off); posenc.cope_shared gives every layer the same table.
+  Causal decoders only: the count runs from the key up to the query.
 
   Why a fourth hook. The three hooks of the contract see positions (embed, bias) or act on q
   and k position by position (rotate); none sees a query and a key together. CoPE's bias at
@@ -72,16 +75,27 @@ class Cope(PosEnc):
 
   def __init__(self, cfg: PosEncConfig, *, head_dim: int, **kwargs):
     super().__init__(cfg, head_dim=head_dim, **kwargs)
+    if not cfg.cope_npos_max:
+      raise ValueError(
+        "posenc.cope_npos_max=0 stands for data.seq_len + 1, which a run config resolves; a "
+        "model built from a PosEncConfig directly needs the number set"
+      )
     init = nnx.with_partitioning(nnx.initializers.zeros, (None, "kv"))
     self.pos_emb = nnx.Param(
       init(jax.random.key(0), (cfg.cope_npos_max, head_dim), self.param_dtype)
     )
 
   @classmethod
+  def per_layer(cls, cfg: PosEncConfig) -> bool:
+    return not cfg.cope_shared
+
+  @classmethod
   def check_config(cls, cfg: PosEncConfig, *, causal: bool, head_dim: int, seq_len: int) -> None:
     super().check_config(cfg, causal=causal, head_dim=head_dim, seq_len=seq_len)
-    if cfg.cope_npos_max < 2:
-      raise ValueError(f"posenc.cope_npos_max={cfg.cope_npos_max} must be >= 2")
+    if cfg.cope_npos_max == 1 or cfg.cope_npos_max < 0:
+      raise ValueError(
+        f"posenc.cope_npos_max={cfg.cope_npos_max} must be >= 2, or 0 (= data.seq_len + 1)"
+      )
 
   def content_bias(self, q_BLHK, k_BSGK, mask_BLS):
     """float32 [B, H, L, S] added to the scaled logits: q_i . e[p_ij] / sqrt(K).

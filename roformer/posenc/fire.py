@@ -45,7 +45,9 @@ class Fire(PosEnc):
   L = |l_multiplier * posenc.fire_init_threshold| with l_multiplier learned from 1 (so L starts
   at 512), as in the paper's code; both logs take |c x| so the bias stays defined whatever c
   learns. The MLP layers start as PyTorch's nn.Linear does (uniform in +-1/sqrt(fan_in)), which
-  the paper's code uses. One MLP serves every layer (one encoding module per model). An encoder
+  the paper's code uses. Every attention layer has its own MLP, c and threshold (`per_layer`),
+  as the paper's FIRE; posenc.fire_shared gives all layers one, the paper's layer-shared
+  variant FIRE-S. An encoder
   gets the symmetric form |i - j| (the paper defines FIRE for causal attention).
   """
 
@@ -67,6 +69,10 @@ class Fire(PosEnc):
     self.b2 = nnx.Param(linear_init(W, ("heads",))(rngs.params(), (H,), dtype))
     self.c = nnx.Param(jnp.asarray(cfg.fire_init_c, dtype))
     self.l_multiplier = nnx.Param(jnp.asarray(1.0, dtype))
+
+  @classmethod
+  def per_layer(cls, cfg: PosEncConfig) -> bool:
+    return not cfg.fire_shared
 
   @classmethod
   def check_config(cls, cfg: PosEncConfig, *, causal: bool, head_dim: int, seq_len: int) -> None:
