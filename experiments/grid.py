@@ -3,12 +3,18 @@
 A grid is a list of `Run`s. Each run trains (or fine-tunes) one model through train_lib, evaluates
 it through eval_run, and writes OUT/<run>.json; a run whose JSON exists is skipped, so a killed
 grid resumes where it stopped (a run killed mid-training resumes from its last checkpoint).
+
+A run is its full settings: every field of its config and its evaluations (`run_settings`). The
+JSON records them and their hash, the run's workdir is named by the hash, and the workdirs of one
+OUT live under a root of their own; so a grid never counts a run made with other settings as
+done (`finished_record` names the fields that differ) and two grids never share a checkpoint.
 """
 
 from __future__ import annotations
 
 import csv
 import dataclasses
+import hashlib
 import json
 import os
 import pathlib
@@ -69,8 +75,34 @@ def corpus_overrides(corpus: str) -> dict:
   raise SystemExit(f"--corpus must be one of {CORPORA}, got {corpus!r}")
 
 
+def default_out(name: str, scale: str, committed: pathlib.Path) -> pathlib.Path:
+  """OUT when --out is not given: the committed results for the committed scale; a smoke scale
+  ("tiny") writes under the temp directory, never into results/."""
+  if scale == "tiny":
+    return pathlib.Path(tempfile.gettempdir()) / f"roformer_{name}_tiny" / committed.name
+  return committed
+
+
+def check_out(out: pathlib.Path, scale: str, committed_scale: str = "cpu") -> None:
+  """Refuses a scale other than the committed one writing into the repository's results/."""
+  results = (REPO / "results").resolve()
+  inside = out.resolve() == results or results in out.resolve().parents
+  if inside and scale != committed_scale:
+    raise SystemExit(
+      f"--scale={scale} would write into {out}, which holds the committed --scale="
+      f"{committed_scale} results; give --out=DIR outside results/"
+    )
+
+
+def default_workroot(name: str, out: pathlib.Path) -> pathlib.Path:
+  """The run workdirs of one OUT: under the cache, named by the grid and OUT's absolute path, so
+  grids with different outputs (or users) never reuse each other's checkpoints."""
+  key = hashlib.sha256(str(out.resolve()).encode()).hexdigest()[:10]
+  return cache_root() / "experiments" / f"{name}_{out.resolve().name}_{key}"
+
+
 def parse_cli(doc: str, *, name: str, scales, encodings: Sequence[str]):
-  """The drivers' command line: --scale, --corpus, --only, --out, --workroot.
+  """The drivers' command line: --scale, --corpus, --only, --out, --workroot, --adopt.
 
   Returns:
     (args, the set of encodings to run (empty = all), OUT, the root of the run workdirs).
@@ -83,16 +115,98 @@ def parse_cli(doc: str, *, name: str, scales, encodings: Sequence[str]):
   parser.add_argument("--only", default="", help="comma-separated encodings (default: all)")
   parser.add_argument("--out", default="", help=f"default results/{name}/<corpus>")
   parser.add_argument("--workroot", default="", help="run workdirs (default under the cache)")
+  parser.add_argument(
+    "--adopt",
+    action="store_true",
+    help="record today's settings in run JSONs written before runs recorded them",
+  )
   args = parser.parse_args()
   only = {x for x in args.only.split(",") if x}
   unknown = only - set(encodings)
   if unknown:
     parser.error(f"--only: unknown encodings {sorted(unknown)}; choose from {tuple(encodings)}")
-  out = pathlib.Path(args.out or REPO / "results" / name / args.corpus)
-  workroot = pathlib.Path(
-    args.workroot or cache_root() / "experiments" / f"{name}_{args.scale}_{args.corpus}"
-  )
+  out = pathlib.Path(args.out) if args.out else None
+  out = out or default_out(name, args.scale, REPO / "results" / name / args.corpus)
+  check_out(out, args.scale)
+  workroot = pathlib.Path(args.workroot) if args.workroot else default_workroot(name, out)
   return args, only, out, workroot
+
+
+# ---- Run identity ----
+
+
+def run_settings(config, evaluation, *, workroot: pathlib.Path | None = None) -> dict:
+  """A run's full settings: every config field (dotted names) and its evaluation spec.
+
+  Paths under the workroot and the cache root are written relative to them ($WORKROOT,
+  $ROFORMER_CACHE), so the same run on another machine has the same settings.
+  """
+  flat = {}
+
+  def walk(prefix, node):
+    for key, value in node.items():
+      if isinstance(value, dict):
+        walk(f"{prefix}{key}.", value)
+      else:
+        flat[f"{prefix}{key}"] = _portable(value, workroot)
+
+  walk("", config.to_dict() if hasattr(config, "to_dict") else dict(config))
+  flat["eval"] = evaluation
+  # As JSON gives them back (tuples become lists), so a recorded run compares equal.
+  return json.loads(json.dumps(flat, default=str))
+
+
+def _portable(value, workroot):
+  if not isinstance(value, str):
+    return value
+  for root, name in ((workroot, "$WORKROOT"), (cache_root(), "$ROFORMER_CACHE")):
+    if root is not None and value.startswith(str(root)):
+      return name + value[len(str(root)) :]
+  return value
+
+
+def settings_hash(settings: dict) -> str:
+  return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def finished_record(path: pathlib.Path, settings: dict, *, adopt: bool = False) -> dict | None:
+  """The run's record at `path` if it was made with `settings`; None if there is none.
+
+  A record made with other settings ends the grid naming the fields that differ; one written
+  before runs recorded their settings does too, unless `adopt` (then today's are written in).
+  """
+  if not path.exists():
+    return None
+  record = json.loads(path.read_text())
+  digest = settings_hash(settings)
+  recorded = record.get("settings")
+  if recorded is None:
+    if not adopt:
+      raise SystemExit(
+        f"{path} records no settings (written before runs recorded them): delete it to retrain "
+        "the run, or pass --adopt to record today's settings in it"
+      )
+    record.update(settings=settings, settings_hash=digest)
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    return record
+  if record.get("settings_hash") != digest:
+    fields = sorted(set(recorded) | set(settings))
+    changed = [
+      f"{k}: {recorded.get(k, '(none)')!r} -> {settings.get(k, '(none)')!r}"
+      for k in fields
+      if recorded.get(k) != settings.get(k)
+    ]
+    raise SystemExit(
+      f"{path} was made with other settings ({'; '.join(changed[:8])}"
+      f"{'; ...' if len(changed) > 8 else ''}); delete it to retrain the run, or write this "
+      "grid to another --out"
+    )
+  return record
+
+
+def workdir_name(run_name: str, settings: dict) -> str:
+  """A run's workdir under the workroot: its name and settings hash (other settings, other dir)."""
+  return f"{run_name}-{settings_hash(settings)[:10]}"
 
 
 def make_config(base: str, overrides: dict):
@@ -167,32 +281,44 @@ def run_grid(
   out: pathlib.Path,
   workroot: pathlib.Path,
   report: Callable[[list[dict]], None] | None = None,
+  adopt: bool = False,
 ) -> list[dict]:
   """Trains and evaluates every run not yet done; returns every run's record (OUT/<run>.json).
 
-  `report(records)` rewrites the grid's tables and plots after each finished run, so a grid
-  stopped part-way leaves results for the runs it finished.
+  A run is done when OUT/<run>.json holds its settings (`finished_record`; `adopt` records
+  today's in a JSON that predates them). `report(records)` rewrites the grid's tables and plots
+  after each finished run, so a grid stopped part-way leaves results for the runs it finished.
   """
   out.mkdir(parents=True, exist_ok=True)
   progress = Progress(len(runs))
-  records = []
+  records, workdirs = [], {}
   for index, run in enumerate(runs, start=1):
     path = out / f"{run.name}.json"
-    if path.exists():
+    overrides = {**common, **run.overrides}
+    if run.init_from:
+      if run.init_from not in workdirs:
+        raise SystemExit(f"{run.name} fine-tunes {run.init_from}, which this grid does not run")
+      overrides["train.init_from"] = str(workdirs[run.init_from])
+    config = None if run.skip_reason else make_config(base, overrides)
+    settings = run_settings(
+      config.to_dict() if config is not None else {"skipped": run.skip_reason},
+      [dataclasses.asdict(ev) for ev in run.evals],
+      workroot=workroot,
+    )
+    workdir = workroot / workdir_name(run.name, settings)
+    workdirs[run.name] = workdir
+    record = finished_record(path, settings, adopt=adopt)
+    if record is not None:
       print(f"[{index}/{len(runs)}] {run.name}: done (skipped)", flush=True)
-      records.append(json.loads(path.read_text()))
+      records.append(record)
       continue
     if run.skip_reason:
       record = {"run": run.name, "encoding": run.encoding, "skipped": run.skip_reason}
+      record.update(settings=settings, settings_hash=settings_hash(settings))
       path.write_text(json.dumps(record, indent=2) + "\n")
       records.append(record)
       continue
     started = progress.begin(index, run, f"training ({run.budget})")
-    workdir = workroot / run.name
-    overrides = {**common, **run.overrides}
-    if run.init_from:
-      overrides["train.init_from"] = str(workroot / run.init_from)
-    config = make_config(base, overrides)
     t0 = time.time()
     last_eval = train_to_end(run.name, config, workdir)
     train_seconds = time.time() - t0
@@ -210,6 +336,8 @@ def run_grid(
       "final_eval": {k: v for k, v in last_eval.items() if isinstance(v, int | float)},
       "metrics": metrics,
       "evaluations": evaluations,
+      "settings": settings,
+      "settings_hash": settings_hash(settings),
     }
     path.write_text(json.dumps(record, indent=2) + "\n")
     records.append(record)

@@ -114,7 +114,13 @@ def main():
     report.write_mlm(records, out, seq_len=scale["seq_len"], scale=args.scale)
 
   grid.run_grid(
-    runs, base=scale["base"], common=common, out=out, workroot=workroot, report=write_report
+    runs,
+    base=scale["base"],
+    common=common,
+    out=out,
+    workroot=workroot,
+    report=write_report,
+    adopt=args.adopt,
   )
   write_report()
   print(f"wrote {out}/results.csv, table.md, curves.png")

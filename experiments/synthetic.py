@@ -2,16 +2,20 @@
 
 Each run trains a small decoder on one task at one range of task lengths (train_lib, in process)
 and scores exact match and per-token accuracy from that range to 8x its longest length
-(eval_tasks). Finished runs are skipped, so an interrupted grid resumes where it stopped.
+(eval_tasks; a run trained with randomized positions is scored at randomized positions, as in
+training, averaged over `randomized_positions.EVAL_DRAWS` draws). Finished runs are skipped, so
+an interrupted grid resumes where it stopped; a run is finished when its JSON holds the run's
+full settings (grid.run_settings), and a JSON made with other settings stops the grid.
 
-  python experiments/synthetic.py --scale=tiny --out=/tmp/synthetic   # smoke grid, minutes
-  python experiments/synthetic.py --scale=cpu                          # full grid, hours
-  python experiments/synthetic.py --scale=cpu --only=copy/fire          # runs whose name matches
-  python experiments/synthetic.py --scale=cpu --only='copy/rope$'       # without +randomized
+  python experiments/synthetic.py                                # the committed grid (cpu), hours
+  python experiments/synthetic.py --scale=tiny                   # smoke grid into a temp dir
+  python experiments/synthetic.py --only=copy/fire               # runs whose name matches
+  python experiments/synthetic.py --only='copy/rope$'            # without +randomized
 
-Writes OUT/<run>.json (the task evaluation plus the run's settings and training time),
+Writes OUT/<run>.json (the task evaluation, the run's settings and training time),
 OUT/results.csv, OUT/<task>.png, OUT/passkey_heatmap__<run>.png (exact match by depth x length)
-and OUT/table.md. Training workdirs go to --workdir_root.
+and OUT/table.md. Training workdirs go under --workdir_root (default: a directory of this OUT's
+own under the cache, one workdir per run and settings).
 """
 
 import csv
@@ -20,7 +24,6 @@ import json
 import os
 import pathlib
 import sys
-import tempfile
 import time
 
 from absl import app, flags, logging
@@ -32,16 +35,21 @@ import grid  # noqa: E402  (puts the project root on sys.path)
 from configs import default  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_enum("scale", "tiny", ["tiny", "cpu"], "Grid size (see SCALES).")
+flags.DEFINE_enum("scale", "cpu", ["tiny", "cpu"], "Grid size (see SCALES); cpu is committed.")
 flags.DEFINE_list(
   "only",
   [],
   "Run only the runs whose name contains one of these substrings; a trailing $ anchors the end "
   "(copy/rope$ is copy/rope without copy/rope+randomized).",
 )
-flags.DEFINE_string("out", "results/synthetic", "Output directory of the results.")
 flags.DEFINE_string(
-  "workdir_root", "", "Where training workdirs go; default a directory under the system temp."
+  "out", "", "Output directory; default results/synthetic (cpu) or a temp directory (tiny)."
+)
+flags.DEFINE_string(
+  "workdir_root", "", "Where training workdirs go; default a directory of OUT's own in the cache."
+)
+flags.DEFINE_bool(
+  "adopt", False, "Record today's settings in run JSONs written before runs recorded them."
 )
 
 # Every encoding of the registry, plus p-RoPE (RoPE with its lowest quarter of frequencies off).
@@ -166,19 +174,40 @@ def make_config(scale: Scale, task: str, encoding: str, randomized: bool, seq_le
   return config
 
 
-def run_one(scale: Scale, task: str, encoding: str, randomized: bool, workdir: str) -> dict:
-  from roformer import eval_tasks
-  from roformer.data import synthetic
+def eval_spec(scale: Scale, task: str, randomized: bool) -> dict:
+  """How a run is scored: task lengths, examples per length and draws of positions."""
+  from roformer import eval_tasks, randomized_positions
 
   lo, hi = scale.tasks[task]
-  lengths = eval_tasks.default_lengths(lo, hi)
+  return {
+    "lengths": eval_tasks.default_lengths(lo, hi),
+    "examples": scale.examples,
+    "position_draws": randomized_positions.EVAL_DRAWS if randomized else 0,
+  }
+
+
+def run_config(scale: Scale, task: str, encoding: str, randomized: bool):
+  """The run's ConfigDict (its learned table and randomized range reach 8x the training lengths)."""
+  from roformer.data import synthetic
+
+  lengths = eval_spec(scale, task, randomized)["lengths"]
   seq_len_8x = synthetic.example_length(task, max(lengths)) - 1
+  return make_config(scale, task, encoding, randomized, seq_len_8x)
+
+
+def run_one(scale: Scale, task: str, encoding: str, randomized: bool, config, workdir) -> dict:
+  from roformer import eval_tasks
+
+  spec = eval_spec(scale, task, randomized)
   start = time.perf_counter()
-  config = make_config(scale, task, encoding, randomized, seq_len_8x)
   grid.train_to_end(run_name(task, encoding, randomized), config, pathlib.Path(workdir))
   train_seconds = time.perf_counter() - start
   result, _ = eval_tasks.evaluate_tasks(
-    workdir, lengths=lengths, num_examples=scale.examples, log=lambda line: None
+    workdir,
+    lengths=spec["lengths"],
+    num_examples=spec["examples"],
+    position_draws=spec["position_draws"] or 1,
+    log=lambda line: None,
   )
   return {
     "run": run_name(task, encoding, randomized),
@@ -213,41 +242,70 @@ def write_summaries(out: str, results: list[dict]) -> None:
           [r["task"], r["encoding"], r["randomized"], rec["length"], rec.get("exact_match", ""),
            rec.get("token_accuracy", ""), rec.get("skipped", "")]
         )  # fmt: skip
-  lines = ["# Synthetic tasks: exact match against task length", ""]
+  lines = [
+    "# Synthetic tasks: accuracy against task length",
+    "",
+    "Randomized runs are scored at randomized positions as in training: the mean over "
+    "draws of positions (each draw's scores are in the run's JSON).",
+    "",
+  ]
   for task in dict.fromkeys(r["task"] for r in results):
     runs = sorted((r for r in results if r["task"] == task), key=grid_order)
     panels = [
       (title, [(r["encoding"], r) for r in runs if r["randomized"] == randomized])
       for title, randomized in (("positions 0, 1, 2, ...", False), ("randomized positions", True))
     ]
+    lengths = sorted({rec["length"] for r in runs for rec in r["records"]})
+    baseline = no_lookup_baseline(lengths) if task == "associative_recall" else None
     task_plot.plot_task_grid(
       [(title, panel) for title, panel in panels if panel],
       os.path.join(out, f"{task}.png"),
-      title=f"{task}: exact match against length",
+      title=f"{task}: accuracy against length",
+      baseline=baseline,
     )
     for r in runs:
       if "passkey_depths" in r:
         suffix = r["encoding"] + ("+randomized" if r["randomized"] else "")
         task_plot.plot_passkey_heatmap(r, os.path.join(out, f"passkey_heatmap__{suffix}.png"))
-    lengths = sorted({rec["length"] for r in runs for rec in r["records"]})
     lo, hi = runs[0]["train_lengths"]
-    lines += [f"## {task} (trained on lengths {lo}..{hi})", ""]
-    lines.append("| encoding | randomized | " + " | ".join(f"n={n}" for n in lengths) + " |")
-    lines.append("|---|---|" + "---|" * len(lengths))
-    for r in runs:
-      by_length = {rec["length"]: rec for rec in r["records"]}
-      cells = [
-        "skip"
-        if "skipped" in by_length.get(n, {"skipped": 1})
-        else f"{by_length[n]['exact_match']:.2f}"
-        for n in lengths
-      ]
-      lines.append(
-        f"| {r['encoding']} | {'yes' if r['randomized'] else 'no'} | " + " | ".join(cells) + " |"
-      )
-    lines.append("")
+    for metric, heading in task_plot.METRIC_LABELS.items():
+      lines += [f"## {task}: {heading} (trained on lengths {lo}..{hi})", ""]
+      lines.append("| encoding | randomized | " + " | ".join(f"n={n}" for n in lengths) + " |")
+      lines.append("|---|---|" + "---|" * len(lengths))
+      for r in runs:
+        by_length = {rec["length"]: rec for rec in r["records"]}
+        cells = [
+          "skip" if "skipped" in by_length.get(n, {"skipped": 1}) else f"{by_length[n][metric]:.2f}"
+          for n in lengths
+        ]
+        lines.append(
+          f"| {r['encoding']} | {'yes' if r['randomized'] else 'no'} | " + " | ".join(cells) + " |"
+        )
+      if baseline is not None:
+        cells = [f"{v:.2f}" for v in baseline[metric]]
+        lines.append(f"| {baseline['label']} | | " + " | ".join(cells) + " |")
+      lines.append("")
   with open(os.path.join(out, "table.md"), "w") as f:
     f.write("\n".join(lines))
+
+
+def no_lookup_baseline(lengths, examples: int = 512) -> dict:
+  """Associative recall's predictor that never looks a key up, on the evaluation examples."""
+  from roformer import eval_tasks
+  from roformer.data import synthetic
+
+  scores = [
+    synthetic.recall_without_lookup(
+      eval_tasks.eval_examples("associative_recall", n, examples, seed=0)
+    )
+    for n in lengths
+  ]
+  return {
+    "label": "no lookup",
+    "lengths": list(lengths),
+    "exact_match": [float(e) for e, _ in scores],
+    "token_accuracy": [float(t) for _, t in scores],
+  }
 
 
 def main(argv):
@@ -255,30 +313,44 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   logging.set_verbosity(logging.WARNING)
   scale = SCALES[FLAGS.scale]
-  out = FLAGS.out
-  os.makedirs(out, exist_ok=True)
-  root = FLAGS.workdir_root or os.path.join(
-    tempfile.gettempdir(), f"roformer_synthetic_{FLAGS.scale}"
-  )
-  runs = [r for r in grid_runs(scale) if not FLAGS.only or selected(run_name(*r), FLAGS.only)]
+  out = pathlib.Path(FLAGS.out) if FLAGS.out else None
+  out = out or grid.default_out("synthetic", FLAGS.scale, grid.REPO / "results" / "synthetic")
+  grid.check_out(out, FLAGS.scale)
+  out.mkdir(parents=True, exist_ok=True)
+  root = pathlib.Path(FLAGS.workdir_root or grid.default_workroot("synthetic", out))
+  every_run = grid_runs(scale)
+  runs = [r for r in every_run if not FLAGS.only or selected(run_name(*r), FLAGS.only)]
+  if not runs:
+    names = ", ".join(run_name(*r) for r in every_run[:4])
+    raise app.UsageError(
+      f"--only={','.join(FLAGS.only)} matches no run of the {FLAGS.scale} grid (runs are named "
+      f"like {names}, ...)"
+    )
+  print(f"synthetic grid, scale {FLAGS.scale}: {len(runs)} runs -> {out} (workdirs {root})")
   for i, (task, encoding, randomized) in enumerate(runs, start=1):
     name = run_name(task, encoding, randomized)
-    path = os.path.join(out, file_stem(name) + ".json")
-    if os.path.exists(path):
+    path = out / (file_stem(name) + ".json")
+    config = run_config(scale, task, encoding, randomized)
+    settings = grid.run_settings(config, eval_spec(scale, task, randomized))
+    if grid.finished_record(path, settings, adopt=FLAGS.adopt) is not None:
       print(f"[{i}/{len(runs)}] {name}: done before, skipped", flush=True)
       continue
     start = time.perf_counter()
-    result = run_one(scale, task, encoding, randomized, os.path.join(root, file_stem(name)))
-    with open(path, "w") as f:
-      json.dump(result, f, indent=2)
+    workdir = root / grid.workdir_name(file_stem(name), settings)
+    result = run_one(scale, task, encoding, randomized, config, str(workdir))
+    result.update(settings=settings, settings_hash=grid.settings_hash(settings))
+    path.write_text(json.dumps(result, indent=2) + "\n")
     scored = [rec for rec in result["records"] if "skipped" not in rec]
-    summary = ", ".join(f"n={rec['length']} {rec['exact_match']:.2f}" for rec in scored)
+    summary = ", ".join(
+      f"n={rec['length']} {rec['exact_match']:.2f}/{rec['token_accuracy']:.2f}" for rec in scored
+    )
     print(
-      f"[{i}/{len(runs)}] {name}: {time.perf_counter() - start:.0f}s, exact match {summary}",
+      f"[{i}/{len(runs)}] {name}: {time.perf_counter() - start:.0f}s, exact match / per token "
+      f"{summary}",
       flush=True,
     )
-    summarize(out)  # after every run: a grid stopped part way leaves summaries of what it did
-  count = summarize(out)
+    summarize(str(out))  # after every run: a grid stopped part way leaves summaries of what it did
+  count = summarize(str(out))
   print(f"wrote {out}/results.csv, table.md and one PNG per task ({count} runs)", flush=True)
 
 

@@ -54,7 +54,7 @@ def _shade_training_range(ax, runs: Sequence[tuple[str, dict]]) -> None:
 def _length_axis(ax) -> None:
   ax.set_xscale("log", base=2)
   ax.set_ylim(-0.02, 1.02)
-  ax.set_xlabel("task length")
+  ax.set_xlabel("task length (log scale)")
   ax.grid(True, alpha=0.3)
 
 
@@ -87,51 +87,80 @@ def plot_task_runs(runs: Sequence[tuple[str, dict]], path, *, title: str = "") -
   return _save(fig, path)
 
 
+METRIC_LABELS = {"exact_match": "exact match", "token_accuracy": "per-token accuracy"}
+
+
 def plot_task_grid(
-  panels: Sequence[tuple[str, Sequence[tuple[str, dict]]]], path, *, title: str = ""
+  panels: Sequence[tuple[str, Sequence[tuple[str, dict]]]],
+  path,
+  *,
+  title: str = "",
+  baseline: dict | None = None,
 ) -> epath.Path:
-  """Exact match against task length, one panel per group of runs (a grid's many encodings).
+  """Exact match and per-token accuracy against task length, one column per group of runs (a
+  grid's many encodings), one row per metric.
 
   Args:
     panels: (panel title, [(label, task JSON dict), ...]) per panel.
     path: output PNG path (local or gs://).
     title: figure title.
+    baseline: {"label", "lengths", "exact_match", "token_accuracy"}: a reference drawn in every
+      panel (e.g. associative recall's predictor that never looks a key up).
   """
-  return _save(task_grid_figure(panels, title=title), path)
+  return _save(task_grid_figure(panels, title=title, baseline=baseline), path)
 
 
 def task_grid_figure(
-  panels: Sequence[tuple[str, Sequence[tuple[str, dict]]]], *, title: str = ""
+  panels: Sequence[tuple[str, Sequence[tuple[str, dict]]]],
+  *,
+  title: str = "",
+  baseline: dict | None = None,
+  metrics: Sequence[str] = ("exact_match", "token_accuracy"),
 ) -> plt.Figure:
   """The figure of `plot_task_grid`. A label keeps its colour in every panel, so an encoding can
   be followed from one panel (consecutive positions) to the next (randomized positions); one
-  legend below the panels names each label once."""
+  legend below the panels names each label once. A score averaged over draws of positions shows
+  the draws' range as a vertical bar."""
   labels = list(dict.fromkeys(label for _, runs in panels for label, _ in runs))
   colors = _colors(len(labels))
   color_of = {label: colors[i % len(colors)] for i, label in enumerate(labels)}
   fig, axes = plt.subplots(
-    1, len(panels), figsize=(5.2 * len(panels), 5.4), sharey=True, squeeze=False
-  )
-  for ax, (panel_title, runs) in zip(axes[0], panels, strict=True):
-    for label, result in runs:
-      points = [r for r in result["records"] if "skipped" not in r]
-      if points:
+    len(metrics), len(panels), figsize=(5.2 * len(panels), 3.9 * len(metrics)), sharey=True,
+    squeeze=False,
+  )  # fmt: skip
+  for row, metric in enumerate(metrics):
+    for ax, (panel_title, runs) in zip(axes[row], panels, strict=True):
+      for label, result in runs:
+        points = [r for r in result["records"] if "skipped" not in r]
+        if not points:
+          continue
         xs = [r["length"] for r in points]
-        ys = [r["exact_match"] for r in points]
+        ys = [r[metric] for r in points]
         ax.plot(xs, ys, "-o", markersize=4, color=color_of[label], label=label)
-    _shade_training_range(ax, runs)
-    _length_axis(ax)
-    ax.set_title(panel_title)
-  axes[0][0].set_ylabel("exact match")
+        spread = [(x, r[f"{metric}_draws"]) for x, r in zip(xs, points, strict=True)
+                  if r.get(f"{metric}_draws")]  # fmt: skip
+        if spread:
+          ax.vlines([x for x, _ in spread], [min(d) for _, d in spread],
+                    [max(d) for _, d in spread], color=color_of[label], linewidth=2.5,
+                    alpha=0.5)  # fmt: skip
+      if baseline is not None:
+        ax.plot(baseline["lengths"], baseline[metric], ":", color="black", linewidth=1.5,
+                label=baseline["label"])  # fmt: skip
+      _shade_training_range(ax, runs)
+      _length_axis(ax)
+      ax.set_title(panel_title if row == 0 else "")
+      if row < len(metrics) - 1:
+        ax.set_xlabel("")
+    axes[row][0].set_ylabel(METRIC_LABELS.get(metric, metric))
   by_name = {}  # every panel's labels, each once
-  for ax in axes[0]:
+  for ax in axes.flat:
     for handle, name in zip(*ax.get_legend_handles_labels(), strict=True):
       by_name.setdefault(name, handle)
   fig.legend(by_name.values(), by_name.keys(), loc="lower center", ncol=min(len(by_name), 7),
              fontsize=8, frameon=False)  # fmt: skip
   fig.suptitle(title)
   rows = -(-len(by_name) // 7)
-  fig.tight_layout(rect=(0, 0.04 + 0.035 * rows, 1, 1))
+  fig.tight_layout(rect=(0, (0.04 + 0.035 * rows) / len(metrics) * 1.6, 1, 1))
   return fig
 
 

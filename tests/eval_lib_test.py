@@ -212,3 +212,37 @@ def test_score_batch_never_holds_more_than_a_block_of_logits():
   assert analysis is not None, "XLA on CPU reports a memory analysis; the check needs it"
   # Full logits would be 32 MiB; a few [block, V] buffers are 2 MiB each.
   assert analysis.temp_size_in_bytes < length * vocab * 4 / 4
+
+
+def test_a_randomized_run_is_scored_at_randomized_positions_per_document(monkeypatch):
+  # Each window (each packed document) takes a fresh sorted subset of [0, N) of its own length,
+  # in every draw; the loss is the mean over the draws, each draw's loss is returned.
+  model, tokens = _model(), _tokens()
+  windows = eval_lib.make_windows(
+    tokens, model_kind="decoder", length=32, protocol="nonoverlapping", stride=32,
+    max_tokens=256, max_length=64, tokenizer=ByteTokenizer(), packed=True,
+  )  # fmt: skip
+  seen = []
+  original = eval_lib.score_windows
+
+  def spy(model, drawn, **kwargs):
+    seen.append(drawn.positions)
+    return original(model, drawn, **kwargs)
+
+  monkeypatch.setattr(eval_lib, "score_windows", spy)
+  scores, losses = eval_lib.score_windows_at_positions(
+    model, windows, batch_size=4, randomize_max=1024, seed=0, draws=3
+  )
+  assert len(seen) == 3 and len(losses) == 3
+  assert not np.array_equal(seen[0], seen[1])
+  for positions in seen:
+    for row, seg in zip(positions, windows.segment_ids, strict=True):
+      for doc in np.unique(seg):
+        p = row[seg == doc]
+        assert np.all(np.diff(p) > 0) and p.max() < 1024
+    assert positions.max() > 256  # far past the window: drawn from [0, 1024)
+  # Summed over the draws: the mean loss of the draws.
+  assert scores.loss_sum / scores.weight_sum == pytest.approx(np.mean(losses), rel=1e-6)
+  seen.clear()
+  _, none = eval_lib.score_windows_at_positions(model, windows, batch_size=4)
+  assert none == [] and np.array_equal(seen[0], windows.positions)

@@ -70,23 +70,60 @@ def test_task_plots_are_written(tmp_path):
   assert png.read_bytes()[:4] == heat.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_a_randomized_run_is_scored_at_positions_drawn_like_its_training_positions():
+  # The paper's code draws a fresh sorted subset of [0, N) of the sequence's own length in every
+  # forward pass, evaluation included; consecutive positions would be gaps training never made.
+  examples = eval_tasks.eval_examples("copy", 4, 64, seed=0)  # 9 tokens: 8 model inputs
+  seen = []
+
+  def predict(inputs_BT, positions_BT):
+    seen.append(np.asarray(positions_BT))
+    return np.zeros_like(inputs_BT)
+
+  result = eval_tasks.score_examples(predict, examples, batch_size=64, randomize_max=512, draws=3)
+  assert len(seen) == 3 and all(p.shape == (64, 8) for p in seen)
+  for positions in seen:
+    assert np.all(np.diff(positions, axis=1) > 0) and positions.min() >= 0
+    assert positions.max() < 512
+    # The example's own 8 positions span [0, 512): the largest of 8 of 512 averages 455.
+    assert 420 < positions[:, -1].mean() < 490
+  assert not np.array_equal(seen[0], seen[1])  # a fresh draw each time
+  assert len(result["exact_match_draws"]) == len(result["token_accuracy_draws"]) == 3
+  # Consecutive positions for a run trained with them.
+  seen.clear()
+  eval_tasks.score_examples(predict, examples, batch_size=64)
+  np.testing.assert_array_equal(seen[0], np.tile(np.arange(8), (64, 1)))
+
+
 def test_task_grid_keeps_each_label_one_colour_and_one_legend_entry(tmp_path):
-  def result(exact):
-    records = [{"length": n, "exact_match": exact, "token_accuracy": exact} for n in (4, 16)]
+  def result(exact, draws=None):
+    records = [
+      {"length": n, "exact_match": exact, "token_accuracy": (1 + exact) / 2} for n in (4, 16)
+    ]
+    if draws:
+      for r in records:
+        r["token_accuracy_draws"] = draws
     return {"task": "copy", "train_lengths": [4, 8], "records": records}
 
   panels = [
     ("plain", [("rope", result(1.0)), ("alibi", result(0.5))]),
-    ("randomized", [("alibi", result(0.25)), ("rope", result(0.0))]),
+    ("randomized", [("alibi", result(0.25)), ("rope", result(0.0, draws=[0.4, 0.6]))]),
   ]
-  fig = task_plot.task_grid_figure(panels, title="copy")
-  left, right = fig.axes
+  baseline = {"label": "no lookup", "lengths": [4, 16], "exact_match": [0.1, 0.0],
+              "token_accuracy": [0.5, 0.2]}  # fmt: skip
+  fig = task_plot.task_grid_figure(panels, title="copy", baseline=baseline)
+  (left, right), (left_tok, right_tok) = np.asarray(fig.axes).reshape(2, 2)
   color = {ax: {line.get_label(): line.get_color() for line in ax.lines} for ax in (left, right)}
   assert color[left] == color[right]  # the same encoding, the same colour, in either order
   assert color[left]["rope"] != color[left]["alibi"]
-  assert [line.get_ydata()[0] for line in right.lines] == [0.25, 0.0]
+  assert [line.get_ydata()[0] for line in right.lines] == [0.25, 0.0, 0.1]  # + the baseline
+  # The second row is per-token accuracy, with the range of the draws as a bar.
+  assert [line.get_ydata()[0] for line in right_tok.lines] == [0.625, 0.5, 0.5]
+  (bars,) = right_tok.collections[:1]
+  assert [list(seg[:, 1]) for seg in bars.get_segments()] == [[0.4, 0.6], [0.4, 0.6]]
+  assert left_tok.get_ylabel() == "per-token accuracy" and left.get_ylabel() == "exact match"
   names = [text.get_text() for text in fig.legends[0].get_texts()]
-  assert names == ["rope", "alibi", "training lengths"]
+  assert names == ["rope", "alibi", "no lookup", "training lengths"]
   png = task_plot.plot_task_grid(panels, tmp_path / "grid.png")
   assert png.read_bytes()[:4] == b"\x89PNG"
 
@@ -152,6 +189,10 @@ def test_new_encodings_train_by_config_and_evaluate_at_8x(tmp_path, posenc):
   result = json.loads(open(os.path.join(workdir, "eval", "task_vs_length.json")).read())
   assert [r["length"] for r in result["records"]] == [2, 4, 32]  # 32 = 8x the longest
   assert all(0.0 <= r["token_accuracy"] <= 1.0 for r in result["records"])
+  randomized = any("randomize_max" in arg for arg in posenc)
+  kind = "randomized" if randomized else "consecutive"
+  assert result["positions"]["kind"] == kind
+  assert all(("token_accuracy_draws" in r) == randomized for r in result["records"])
   assert os.path.exists(os.path.join(workdir, "eval", "task_vs_length.png"))
 
 
