@@ -189,19 +189,28 @@ def finished_record(path: pathlib.Path, settings: dict, *, adopt: bool = False) 
     record.update(settings=settings, settings_hash=digest)
     path.write_text(json.dumps(record, indent=2) + "\n")
     return record
-  if record.get("settings_hash") != digest:
-    fields = sorted(set(recorded) | set(settings))
-    changed = [
-      f"{k}: {recorded.get(k, '(none)')!r} -> {settings.get(k, '(none)')!r}"
-      for k in fields
-      if recorded.get(k) != settings.get(k)
-    ]
+  changed = _changed_fields(recorded, settings)
+  if changed:
     raise SystemExit(
       f"{path} was made with other settings ({'; '.join(changed[:8])}"
       f"{'; ...' if len(changed) > 8 else ''}); delete it to retrain the run, or write this "
       "grid to another --out"
     )
   return record
+
+
+def _changed_fields(recorded: dict, settings: dict) -> list[str]:
+  """'field: recorded -> today' for every setting that differs. A field the record lacks counts
+  as the same when today's value is its default in configs/default.py: a field added since, at
+  the value that keeps the old behaviour, does not make the run another run."""
+  defaults = run_settings(default.get_config(), None)
+  changed = []
+  for k in sorted(set(recorded) | set(settings)):
+    if k not in recorded and k in defaults and settings.get(k) == defaults[k]:
+      continue
+    if recorded.get(k, "(none)") != settings.get(k, "(none)"):
+      changed.append(f"{k}: {recorded.get(k, '(none)')!r} -> {settings.get(k, '(none)')!r}")
+  return changed
 
 
 def workdir_name(run_name: str, settings: dict) -> str:

@@ -3,6 +3,7 @@
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -55,7 +56,9 @@ def test_extrapolation_grid_writes_every_output_and_resumes(tmp_path):
   assert max(int(r["length"]) for r in rows if r["run"] == "learned") == 16
   assert max(int(r["length"]) for r in rows if r["run"] == "nope") == 32
   fine_tune = json.loads((out / "rope_yarn_2x.json").read_text())
-  assert fine_tune["overrides"]["train.init_from"].endswith("rope")
+  # The source run's workdir: its name and its settings hash.
+  assert re.search(r"/rope-[0-9a-f]{10}$", fine_tune["overrides"]["train.init_from"])
+  assert fine_tune["settings"]["train.init_from"].startswith("$WORKROOT/rope-")
   table = (out / "table.md").read_text()
   assert "xpos (no BCA)" in table and "| sinusoidal | " in table.split("## Seed noise")[1]
   # A rerun finds every run done and only rewrites the report.
@@ -124,15 +127,16 @@ def test_a_run_stopped_before_its_last_step_ends_the_grid_instead_of_being_score
 
   scale = synthetic.SCALES["tiny"]
   steps = scale.train["num_train_steps"]
+  config = synthetic.run_config(scale, "copy", "rope", False)
   evaluated = []
   monkeypatch.setattr(
     "roformer.eval_tasks.evaluate_tasks", lambda *a, **k: evaluated.append(a) or ({}, None)
   )
   _fake_training(monkeypatch, last_step=steps - 1)
   with pytest.raises(SystemExit, match=f"copy/rope stopped at step {steps - 1}"):
-    synthetic.run_one(scale, "copy", "rope", False, str(tmp_path / "stopped"))
+    synthetic.run_one(scale, "copy", "rope", False, config, str(tmp_path / "stopped"))
   assert evaluated == []
 
   _fake_training(monkeypatch, last_step=steps)
-  record = synthetic.run_one(scale, "copy", "rope", False, str(tmp_path / "finished"))
+  record = synthetic.run_one(scale, "copy", "rope", False, config, str(tmp_path / "finished"))
   assert len(evaluated) == 1 and record["run"] == "copy/rope"
