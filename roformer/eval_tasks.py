@@ -63,7 +63,7 @@ def make_predict(model) -> Callable:
 
 def score_examples(
   predict, examples, *, batch_size: int, randomize_max: int = 0, seed: int = 0,
-  draws: int = randomized_positions.EVAL_DRAWS,
+  draws: int = randomized_positions.EVAL_DRAWS, hide_answers: bool = False,
 ) -> dict:  # fmt: skip
   """Exact match and per-token accuracy of teacher-forced greedy predictions.
 
@@ -74,12 +74,16 @@ def score_examples(
     randomize_max: the run's posenc.randomize_max; > 0 scores every example at `draws` draws of
       sorted random positions in [0, randomize_max) of its own length (from `seed`).
     seed, draws: the draws' seed and number.
+    hide_answers: answer tokens are hidden in the input, as the task trains
+      (`synthetic.HIDDEN_ANSWERS`).
 
   Returns:
     {"exact_match", "token_accuracy", "examples"}, with randomized positions the means over the
     draws and each draw's scores as "exact_match_draws" and "token_accuracy_draws".
   """
-  rows = synthetic.pad_examples(examples, len(examples[0][0]) - 1, pad_id=ByteTokenizer.pad_id)
+  rows = synthetic.pad_examples(
+    examples, len(examples[0][0]) - 1, pad_id=ByteTokenizer.pad_id, hide_answers=hide_answers
+  )
   if not randomize_max:
     return {**_score_rows(predict, rows, len(examples), batch_size), "examples": len(examples)}
   if draws < 1:
@@ -197,6 +201,7 @@ def evaluate_tasks(
       randomize_max=randomize_max,
       seed=seed,
       draws=position_draws,
+      hide_answers=data.task in synthetic.HIDDEN_ANSWERS,
     )
 
   records = []

@@ -2,6 +2,7 @@
 
 import dataclasses
 import importlib
+import json
 import re
 from pathlib import Path
 
@@ -197,3 +198,27 @@ def test_check_resume_accepts_a_config_json_written_before_a_field_existed():
   changed = config_lib.run_config_from_dict(_config_dict(**{"data.text_encoding": "latin-1"}))
   with pytest.raises(ConfigError, match="data.text_encoding"):
     config_lib.check_resume(old, changed)
+
+
+def test_cope_npos_max_zero_becomes_the_training_length_plus_one():
+  # CoPE's code: npos = block size + 1, so no position the training length reaches is clamped.
+  config = default.get_config()
+  config.posenc.kind = "cope"
+  config.data.seq_len = 96
+  assert config_lib.run_config_from_dict(config).model.posenc.cope_npos_max == 97
+  config.posenc.cope_npos_max = 40
+  assert config_lib.run_config_from_dict(config).model.posenc.cope_npos_max == 40
+
+
+def test_a_run_written_before_per_layer_encodings_loads_as_shared(tmp_path):
+  config = default.get_config()
+  config.posenc.kind = "fire"
+  config_lib.write_config_json(tmp_path, config_lib.run_config_from_dict(config))
+  assert not config_lib.load_run_config(tmp_path).model.posenc.fire_shared
+  path = tmp_path / config_lib.CONFIG_FILE
+  values = json.loads(path.read_text())
+  for field in ("fire_shared", "cope_shared"):
+    del values["posenc"][field]
+  path.write_text(json.dumps(values))
+  posenc = config_lib.load_run_config(tmp_path).model.posenc
+  assert posenc.fire_shared and posenc.cope_shared

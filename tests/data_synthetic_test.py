@@ -51,13 +51,43 @@ def test_addition_hand_checked_in_both_digit_orders():
 
 
 def test_associative_recall_hand_checked():
+  # Zoology's MQAR: every key queried once, in random order; values never in the model's input.
   k = synthetic._KEYS
-  draws = ([k[0], k[1], k[2]], [ord("3"), ord("1"), ord("4")], [2, 0, 1])
+  draws = ([k[0], k[1], k[2]], [ord("c"), ord("a"), ord("d")], [2, 0, 1])
   _, answer, tokens, is_answer = split("associative_recall", PresetRng(*draws), 3)
-  want = [k[0], ord("3"), k[1], ord("1"), k[2], ord("4"), ord(":"), k[2], ord("4"), k[0], ord("3")]
-  want += [k[1], ord("1")]
+  want = [k[0], ord("c"), k[1], ord("a"), k[2], ord("d"), ord(":"), k[2], ord("d"), k[0], ord("c")]
+  want += [k[1], ord("a")]
   assert tokens.tolist() == want
-  assert answer == "431" and np.flatnonzero(is_answer).tolist() == [8, 10, 12]
+  assert answer == "dca" and np.flatnonzero(is_answer).tolist() == [8, 10, 12]
+  rows = synthetic.pad_examples([(tokens, is_answer)], 14, pad_id=0, hide_answers=True)
+  hidden = [k[0], ord("c"), k[1], ord("a"), k[2], ord("d"), ord(":"), k[2], ord("_"), k[0]]
+  hidden += [ord("_"), k[1], 0, 0]  # the last answer is only ever a target; then padding
+  assert rows["inputs"][0].tolist() == hidden
+  assert rows["targets"][0, [7, 9, 11]].tolist() == [ord("d"), ord("c"), ord("a")]
+  assert rows["weights"][0].nonzero()[0].tolist() == [7, 9, 11]
+
+
+def test_associative_recall_values_are_distinct_up_to_62_pairs_and_keys_always():
+  rng = np.random.default_rng(0)
+  for n in (16, 62, 128):
+    tokens, _ = synthetic.generate("associative_recall", rng, n)
+    keys, values = tokens[: 2 * n : 2], tokens[1 : 2 * n : 2]
+    assert len(set(keys.tolist())) == n
+    assert len(set(values.tolist())) == min(n, 62) or n > 62
+
+
+def test_recall_without_lookup_guesses_the_most_frequent_value():
+  k = synthetic._KEYS
+  # Values c, c, a: the guess is c, right for 2 of the 3 queries, never all three.
+  tokens = np.asarray([k[0], 99, k[1], 99, k[2], 97, 58, k[0], 99, k[1], 99, k[2], 97], np.int32)
+  is_answer = np.zeros(13, bool)
+  is_answer[8::2] = True
+  assert synthetic.recall_without_lookup([(tokens, is_answer)]) == (0.0, pytest.approx(2 / 3))
+  # Distinct values: 1/n per query.
+  examples = [synthetic.generate("associative_recall", np.random.default_rng(i), 8)
+              for i in range(10)]  # fmt: skip
+  exact, token = synthetic.recall_without_lookup(examples)
+  assert token == pytest.approx(1 / 8) and exact == pytest.approx(8.0**-8)
 
 
 def test_passkey_hand_checked():
@@ -88,6 +118,7 @@ def oracle(task, tokens, is_answer, lsb_first=False):
     return c[::-1] if lsb_first else c
   if task == "associative_recall":
     n = (first - 2) // 2  # pairs, ':', first queried key, then its value is the first answer
+    # The oracle reads keys only: never a value of the query section (hidden from the model).
     table = {tokens[2 * i]: tokens[2 * i + 1] for i in range(n)}
     return text([table[tokens[t - 1]] for t in np.flatnonzero(is_answer)])
   start = prompt.index("key=") + 4

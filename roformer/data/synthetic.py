@@ -11,9 +11,14 @@ evaluation) counts:
   addition               two n-digit numbers 'a+b=' then the n + 1 digits of the sum
                          (most significant first, or least significant first everywhere with
                          data.task_lsb_first)
-  associative_recall     n key-value pairs, then ':' and min(n, 4) queried keys each followed by
-                         its value (multi-query associative recall, Zoology / MQAR); keys are
-                         n distinct tokens of 128 (so n <= 128), values are digits
+  associative_recall     n key-value pairs, then ':' and every key once more in random order,
+                         each followed by its value (multi-query associative recall as
+                         Zoology's MQAR); keys are n distinct tokens of 128 (so n <= 128),
+                         values letters and digits, distinct up to 62 pairs (Zoology: keys and
+                         values from disjoint vocabularies, each key queried once). As in
+                         Zoology the values never enter the model's input: the input shows
+                         `_` where a queried value stands (`HIDDEN_ANSWERS`), so no answer can
+                         be inferred from earlier answers, only looked up
   passkey                n tokens of repeated filler text with 'key=DDDDD.' hidden at a depth in
                          [0, 1] (random in training), then '?key=' and the 5 digits
                          (Mohtashami & Jaggi 2023)
@@ -44,7 +49,9 @@ _LETTERS = np.frombuffer(
 _DIGITS = np.frombuffer(b"0123456789", np.uint8).astype(np.int32)
 _KEYS = np.arange(128, 256, dtype=np.int32)  # byte ids no text above uses
 MAX_RECALL_PAIRS = len(_KEYS)
-NUM_QUERIES = 4
+# Tasks whose answer tokens are replaced in the model's input (`pad_examples`) by this token.
+HIDDEN_ANSWERS = ("associative_recall",)
+HIDDEN_ID = ord("_")
 PASSKEY_DIGITS = 5
 # The filler sentences of the passkey paper.
 _FILLER = (
@@ -84,9 +91,9 @@ def _addition(rng, n, *, lsb_first=False, **_):
 
 def _associative_recall(rng, n, **_):
   keys = rng.choice(_KEYS, n, replace=False)
-  values = rng.choice(_DIGITS, n)
+  values = rng.choice(_LETTERS, n, replace=n > len(_LETTERS))
   pairs = np.stack([keys, values], axis=1).reshape(-1)
-  queried = rng.choice(n, min(n, NUM_QUERIES), replace=False)
+  queried = rng.choice(n, n, replace=False)  # every key once, in random order
   queries = np.stack([keys[queried], values[queried]], axis=1).reshape(-1)
   tokens = np.concatenate([pairs, _ids(b":"), queries]).astype(np.int32)
   is_answer = np.zeros(len(tokens), bool)
@@ -115,9 +122,9 @@ GENERATORS = {
 
 def recall_without_lookup(examples) -> tuple[float, float]:
   """Expected exact match and per-token accuracy of associative recall's best predictor that
-  never looks a key up: it knows the values of the pairs and the answers before the current one
-  (teacher forcing), so it guesses a most frequent value among the pairs not yet queried. Where
-  a model's score sits at this line, it has learned elimination, not retrieval.
+  never looks a key up. The values never enter the input, so all it knows is the pairs' values:
+  it guesses one of the most frequent (ties at random) for every query. Where a model's score
+  sits at this line, it has learned the values' frequencies, not retrieval.
 
   Args:
     examples: (tokens, is_answer) pairs of the associative_recall task.
@@ -125,16 +132,12 @@ def recall_without_lookup(examples) -> tuple[float, float]:
   exact, token, count = 0.0, 0.0, 0
   for tokens, is_answer in examples:
     n = int(np.flatnonzero(tokens == _ids(b":")[0])[0]) // 2
-    remaining = list(tokens[1 : 2 * n : 2])
-    p_all = 1.0
-    for value in tokens[is_answer]:
-      counts = np.unique(remaining, return_counts=True)[1]
-      p = counts.max() / len(remaining)
-      p_all *= p
-      token += p
-      count += 1
-      remaining.remove(value)
-    exact += p_all
+    values, counts = np.unique(tokens[1 : 2 * n : 2], return_counts=True)
+    best = set(values[counts == counts.max()].tolist())
+    p_B = np.asarray([1.0 / len(best) if v in best else 0.0 for v in tokens[is_answer].tolist()])
+    exact += float(np.prod(p_B))
+    token += float(p_B.sum())
+    count += len(p_B)
   return exact / len(examples), token / max(count, 1)
 
 
@@ -145,7 +148,7 @@ def example_length(task: str, n: int) -> int:
   if task == "addition":
     return 3 * n + 3
   if task == "associative_recall":
-    return 2 * n + 1 + 2 * min(n, NUM_QUERIES)
+    return 4 * n + 1
   return n + len("key=.?key=") + 2 * PASSKEY_DIGITS  # passkey
 
 
@@ -236,7 +239,12 @@ class SyntheticBatches:
       rng = np.random.default_rng((self.seed, _TRAIN_STREAM, step, row))
       n = int(rng.integers(self.cfg.task_min_len, self.cfg.task_max_len + 1))
       examples.append(generate(self.cfg.task, rng, n, lsb_first=self.cfg.task_lsb_first))
-    return pad_examples(examples, self.seq_len, pad_id=self.tokenizer.pad_id)
+    return pad_examples(
+      examples,
+      self.seq_len,
+      pad_id=self.tokenizer.pad_id,
+      hide_answers=self.cfg.task in HIDDEN_ANSWERS,
+    )
 
   def iterate(self, start_step: int = 0) -> Iterator[dict[str, np.ndarray]]:
     step = start_step
@@ -245,9 +253,12 @@ class SyntheticBatches:
       step += 1
 
 
-def pad_examples(examples, seq_len: int, *, pad_id: int) -> dict[str, np.ndarray]:
+def pad_examples(
+  examples, seq_len: int, *, pad_id: int, hide_answers: bool = False
+) -> dict[str, np.ndarray]:
   """Model rows of `seq_len` from (tokens, is_answer) examples: inputs are tokens[:-1], targets
-  tokens[1:], weight 1 where the target is an answer token; the tail is padding (segment 0)."""
+  tokens[1:], weight 1 where the target is an answer token; the tail is padding (segment 0).
+  With `hide_answers` (the tasks of HIDDEN_ANSWERS) an answer token is HIDDEN_ID as an input."""
   B = len(examples)
   inputs = np.full((B, seq_len), pad_id, np.int32)
   targets = np.full((B, seq_len), pad_id, np.int32)
@@ -258,6 +269,8 @@ def pad_examples(examples, seq_len: int, *, pad_id: int) -> dict[str, np.ndarray
     if t > seq_len:
       raise DataError(f"an example of {t} input tokens does not fit data.seq_len={seq_len}")
     inputs[i, :t], targets[i, :t] = tokens[:-1], tokens[1:]
+    if hide_answers:
+      inputs[i, :t] = np.where(is_answer[:-1], HIDDEN_ID, tokens[:-1])
     weights[i, :t] = is_answer[1:]
     segment_ids[i, :t] = 1
   positions = np.broadcast_to(np.arange(seq_len, dtype=np.int32), (B, seq_len)).copy()
