@@ -169,11 +169,14 @@ def settings_hash(settings: dict) -> str:
   return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def finished_record(path: pathlib.Path, settings: dict, *, adopt: bool = False) -> dict | None:
+def finished_record(
+  path: pathlib.Path, settings: dict, *, adopt: bool = False, overrides: dict | None = None
+) -> dict | None:
   """The run's record at `path` if it was made with `settings`; None if there is none.
 
   A record made with other settings ends the grid naming the fields that differ; one written
-  before runs recorded their settings does too, unless `adopt` (then today's are written in).
+  before runs recorded their settings does too, unless `adopt`: then today's are written in,
+  provided the config overrides the record names (if it names them) are today's `overrides`.
   """
   if not path.exists():
     return None
@@ -186,6 +189,18 @@ def finished_record(path: pathlib.Path, settings: dict, *, adopt: bool = False) 
         f"{path} records no settings (written before runs recorded them): delete it to retrain "
         "the run, or pass --adopt to record today's settings in it"
       )
+    recorded_overrides = record.get("overrides")
+    if overrides is not None and recorded_overrides is not None:
+      portable = run_settings(overrides, None)
+      written = run_settings(recorded_overrides, None)
+      for key in ("train.init_from", "eval"):  # workdir paths move with the workroot
+        portable.pop(key, None), written.pop(key, None)
+      differ = sorted(k for k in set(portable) | set(written) if portable.get(k) != written.get(k))
+      if differ:
+        raise SystemExit(
+          f"--adopt: {path} was trained with other overrides than today's ({', '.join(differ)})"
+          "; delete it to retrain the run"
+        )
     record.update(settings=settings, settings_hash=digest)
     path.write_text(json.dumps(record, indent=2) + "\n")
     return record
@@ -316,7 +331,7 @@ def run_grid(
     )
     workdir = workroot / workdir_name(run.name, settings)
     workdirs[run.name] = workdir
-    record = finished_record(path, settings, adopt=adopt)
+    record = finished_record(path, settings, adopt=adopt, overrides=overrides)
     if record is not None:
       print(f"[{index}/{len(runs)}] {run.name}: done (skipped)", flush=True)
       records.append(record)
@@ -339,6 +354,7 @@ def run_grid(
       "run": run.name,
       "encoding": run.encoding,
       "budget": run.budget,
+      "base": base,
       "init_from": run.init_from,
       "overrides": overrides,
       "train_seconds": round(train_seconds, 1),

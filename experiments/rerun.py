@@ -51,7 +51,8 @@ def main():
   workdir = args.workdir or tempfile.mkdtemp(prefix=f"rerun_{record['run']}_")
   from roformer import train_lib
 
-  config = grid.make_config(base_config(args.run_json.parent), overrides)
+  base = record["base"] if "base" in record else base_config(args.run_json.parent)
+  config = grid.make_config(base, overrides)
   result = train_lib.train_and_evaluate(config, workdir)
   recorded, new = record["final_eval"]["loss"], float(result["loss"])
   diff = new - recorded

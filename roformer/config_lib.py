@@ -307,7 +307,7 @@ def run_config_from_dict(config: Any, *, vocab_size: int | None = None) -> RunCo
   Returns:
     RunConfig, with posenc.scaling.original_max_len 0 replaced by the pretraining length: the
     data.seq_len of the train.init_from run (a workdir with config.json), else data.seq_len;
-    and posenc.cope_npos_max 0 by data.seq_len + 1 (CoPE's code: the block size + 1).
+    and for CoPE posenc.cope_npos_max 0 by that length + 1 (CoPE's code: the block size + 1).
 
   Raises:
     ConfigError (a ValueError) naming the field and the allowed values.
@@ -329,8 +329,10 @@ def run_config_from_dict(config: Any, *, vocab_size: int | None = None) -> RunCo
   if scaling.original_max_len == 0:
     original = _init_from_seq_len(values["train"].get("init_from", "")) or data.seq_len
     scaling = dataclasses.replace(scaling, original_max_len=original)
-  if not posenc_values.get("cope_npos_max", 0):
-    posenc_values["cope_npos_max"] = data.seq_len + 1
+  if posenc_values.get("kind") == "cope" and not posenc_values.get("cope_npos_max", 0):
+    # The pretraining length too, so a fine-tune at another length keeps the table's shape.
+    pretrained = _init_from_seq_len(values["train"].get("init_from", "")) or data.seq_len
+    posenc_values["cope_npos_max"] = pretrained + 1
   posenc = _build(PosEncConfig, posenc_values, "posenc", scaling=scaling)
   model_values = dict(values["model"])
   if vocab_size is not None:
@@ -348,7 +350,7 @@ def run_config_from_dict(config: Any, *, vocab_size: int | None = None) -> RunCo
   _check(
     posenc.randomize_max == 0 or posenc.randomize_max >= data.seq_len,
     f"posenc.randomize_max={posenc.randomize_max} must be 0 (consecutive positions) or >= "
-    f"data.seq_len={data.seq_len}: training positions are a sorted subset of [0, randomize_max)",
+    f"data.seq_len={data.seq_len}: a sequence's positions are a sorted subset of [0, that)",
   )
   return RunConfig(model=model, data=data, optim=optim, train=train, mesh=mesh)
 
@@ -424,8 +426,18 @@ def changed_fields(old: Mapping, new: Mapping) -> list[str]:
   ]
 
 
+def _written_before_per_layer(values: Mapping) -> Mapping:
+  """Runs written before CoPE and FIRE had a table / MLP per layer shared one across layers: a
+  config.json without the fields reads as shared."""
+  values = json.loads(json.dumps(values))
+  for field in ("cope_shared", "fire_shared"):
+    values.get("posenc", {}).setdefault(field, True)
+  return values
+
+
 def with_defaults(values: Mapping) -> Mapping:
   """A config.json's values with the defaults of fields added since it was written."""
+  values = _written_before_per_layer(values)
   try:
     return to_dict(run_config_from_dict(values))
   except ConfigError:
@@ -436,7 +448,12 @@ def check_resume(old: Mapping, new: RunConfig) -> None:
   """Raises ConfigError if `new` differs from DIR/config.json beyond RESUMABLE_FIELDS."""
   old = with_defaults(old)
   new_values = to_dict(new)
-  changed = [n for n in changed_fields(old, new_values) if n not in RESUMABLE_FIELDS]
+  kind = new.model.posenc.kind
+  changed = [
+    n
+    for n in changed_fields(old, new_values)
+    if n not in RESUMABLE_FIELDS and not _other_kinds_field(n, kind)
+  ]
   if changed:
     flat_old, flat_new = _flatten(old), _flatten(new_values)
     details = "; ".join(f"{n}: {flat_old.get(n)!r} -> {flat_new.get(n)!r}" for n in changed)
@@ -465,10 +482,17 @@ def load_run_config(workdir: str | epath.Path) -> RunConfig:
   values = read_config_json(workdir)
   if values is None:
     raise FileNotFoundError(f"no {CONFIG_FILE} in {workdir}: is it a training workdir?")
-  # Runs written before CoPE and FIRE had a table / MLP per layer shared one across layers.
-  for field in ("cope_shared", "fire_shared"):
-    values.get("posenc", {}).setdefault(field, True)
-  return run_config_from_dict(values)
+  return run_config_from_dict(_written_before_per_layer(values))
+
+
+def _other_kinds_field(name: str, kind: str) -> bool:
+  """Whether `name` is a field of another encoding (posenc.fire_* of a RoPE run): it cannot
+  change the run."""
+  return any(name.startswith(f"posenc.{other}_") for other in _KIND_PREFIXED if other != kind)
+
+
+# Encodings whose own fields are named posenc.<kind>_* (the rope_* fields serve xPos too).
+_KIND_PREFIXED = ("t5", "xpos", "fire", "sandwich", "cope")
 
 
 def describe(run_config: RunConfig) -> str:

@@ -389,6 +389,7 @@ def evaluate_at_length(
   seed: int = 0,
   packed: bool = False,
   randomize_max: int = 0,
+  draws: int = randomized_positions.EVAL_DRAWS,
   progress: Callable[[int, int], None] | None = None,
 ) -> dict:
   """Loss and perplexity of `model` on the evaluation span with windows of `length`.
@@ -410,7 +411,7 @@ def evaluate_at_length(
     tokenizer, mlm_probability, seed: the encoder's deterministic BERT masking.
     packed: the run was trained with `data.pack` (see `make_windows`).
     randomize_max: the run's posenc.randomize_max: > 0 scores at randomized positions as in
-      training (`score_windows_at_positions`, seeded by `seed`).
+      training (`score_windows_at_positions`, seeded by `seed`, averaged over `draws`).
     progress: called as progress(windows_done, num_windows).
 
   Returns:
@@ -436,6 +437,7 @@ def evaluate_at_length(
     batch_size=batch_size,
     randomize_max=randomize_max,
     seed=seed,
+    draws=draws,
     progress=progress,
   )
   return summarize(scores, model_kind=model_kind, num_tokens=windows.num_tokens)

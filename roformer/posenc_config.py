@@ -46,11 +46,11 @@ class PosEncConfig:
   xpos_scale_base: float = 512.0
   scaling: RopeScaling = RopeScaling()
   rope_truncate: float = 0.0  # p-RoPE: fraction of the lowest frequencies that do not rotate
-  randomize_max: int = 0  # training positions: a sorted random subset of [0, N); 0 = consecutive
+  randomize_max: int = 0  # positions: sorted random subsets of [0, N), also at eval; 0 = off
   fire_mlp_width: int = 32  # fire: hidden width of the MLP
   fire_init_c: float = 0.1  # fire: initial c of psi(x) = log(c x + 1)
   fire_init_threshold: float = 512.0  # fire: initial threshold L of the normaliser max(L, i)
   fire_shared: bool = False  # fire: one MLP for all layers (FIRE-S) instead of one per layer
   sandwich_dim: int = 0  # sandwich: dimension d' of the sinusoids; 0 = model.emb_dim
-  cope_npos_max: int = 0  # cope: number of position embeddings; 0 = data.seq_len + 1
+  cope_npos_max: int = 0  # cope: position embeddings; 0 = data.seq_len + 1 (or max_len + 1)
   cope_shared: bool = False  # cope: one table for all layers instead of one per layer

@@ -105,6 +105,7 @@ def evaluate(loop: Loop, step: int) -> None:
       seed=rc.train.seed,
       packed=rc.data.pack,
       randomize_max=rc.model.posenc.randomize_max,
+      draws=1,  # one draw of randomized positions per periodic evaluation; eval.py takes more
     )
   scalars = {
     "eval_loss": result["loss"],

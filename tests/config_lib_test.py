@@ -222,3 +222,18 @@ def test_a_run_written_before_per_layer_encodings_loads_as_shared(tmp_path):
   path.write_text(json.dumps(values))
   posenc = config_lib.load_run_config(tmp_path).model.posenc
   assert posenc.fire_shared and posenc.cope_shared
+
+
+def test_a_run_of_another_encoding_resumes_whatever_the_cope_and_fire_fields_say():
+  # A config.json written before the CoPE/FIRE fields changed: a RoPE run's cope_npos_max=64
+  # is a field of another encoding and cannot make the run another run.
+  config = default.get_config()
+  old = config_lib.to_dict(config_lib.run_config_from_dict(config))
+  old["posenc"]["cope_npos_max"] = 64
+  del old["posenc"]["fire_shared"]
+  config_lib.check_resume(old, config_lib.run_config_from_dict(config))
+  config.posenc.kind = "fire"  # but a FIRE run written then had one MLP for all layers
+  old = config_lib.to_dict(config_lib.run_config_from_dict(config))
+  del old["posenc"]["fire_shared"]
+  with pytest.raises(ConfigError, match="posenc.fire_shared: True -> False"):
+    config_lib.check_resume(old, config_lib.run_config_from_dict(config))

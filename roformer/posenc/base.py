@@ -18,7 +18,9 @@ class PosEnc(nnx.Module):
 
   The model creates one instance, calls `embed` once on the token embeddings, calls `prepare`
   once per forward pass (or decode step) on all key positions, and hands the instance and the
-  prepared state to every attention layer, which calls `rotate` and `bias` unconditionally.
+  prepared state to every attention layer, which calls `rotate` and `bias` unconditionally. An
+  encoding with parameters in every layer (`per_layer`: CoPE, FIRE) has an instance per layer,
+  which that layer uses instead; the model's own is then parameter-free.
 
   Class attributes answer what other code asks of an encoding (never `kind == ...` elsewhere):
     paper_embed_scale: the token-embedding scale its paper trained with, `model.embed_scale="auto"`

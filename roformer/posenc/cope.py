@@ -75,15 +75,10 @@ class Cope(PosEnc):
 
   def __init__(self, cfg: PosEncConfig, *, head_dim: int, **kwargs):
     super().__init__(cfg, head_dim=head_dim, **kwargs)
-    if not cfg.cope_npos_max:
-      raise ValueError(
-        "posenc.cope_npos_max=0 stands for data.seq_len + 1, which a run config resolves; a "
-        "model built from a PosEncConfig directly needs the number set"
-      )
+    # 0: a run config sets data.seq_len + 1; a PosEncConfig used directly has only max_len.
+    self.npos = cfg.cope_npos_max or cfg.max_len + 1
     init = nnx.with_partitioning(nnx.initializers.zeros, (None, "kv"))
-    self.pos_emb = nnx.Param(
-      init(jax.random.key(0), (cfg.cope_npos_max, head_dim), self.param_dtype)
-    )
+    self.pos_emb = nnx.Param(init(jax.random.key(0), (self.npos, head_dim), self.param_dtype))
 
   @classmethod
   def per_layer(cls, cfg: PosEncConfig) -> bool:
