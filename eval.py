@@ -8,6 +8,7 @@ This file is intentionally kept short; the logic lives in roformer/eval_run.py a
   python eval.py --compare=DIR1,DIR2 --plot=FILE.png --out=task_vs_length
 """
 
+import os
 import sys
 
 from absl import app, flags, logging
@@ -56,13 +57,14 @@ WORKDIR_FLAGS = (
   "rope_scaling", "rope_factor", "window", "bca", "data_files", "overwrite", "task_lengths",
   "task_examples", "position_draws",
 )  # fmt: skip
+# --overwrite is read by both modes: --workdir's JSON and PNG, --compare's --plot.
 
 
 def _check_flag_combinations() -> None:
   """A flag that the chosen mode does not read is an error naming both flags, never ignored."""
   given = lambda name: FLAGS[name].present  # noqa: E731
   if FLAGS.compare:
-    for name in WORKDIR_FLAGS:
+    for name in (n for n in WORKDIR_FLAGS if n != "overwrite"):
       if given(name):
         raise ValueError(
           f"--{name} is not read by --compare (which draws existing DIR/eval/NAME.json files); "
@@ -89,6 +91,8 @@ def main(argv):
 
       if not FLAGS.plot:
         raise ValueError("--compare needs --plot=FILE.png")
+      if os.path.exists(FLAGS.plot) and not FLAGS.overwrite:
+        raise FileExistsError(f"--plot={FLAGS.plot} exists; pass --overwrite to replace it")
       if FLAGS.out.startswith("task"):  # task_vs_length JSON: accuracy curves
         from roformer import task_plot
 

@@ -220,7 +220,16 @@ def test_eval_cli_compare_writes_one_png_of_several_runs(tmp_path):
   proc = _run_cli(f"--compare={tmp_path / 'a'},{tmp_path / 'b'}", f"--plot={plot}")
   assert proc.returncode == 0, proc.stderr
   assert plot.read_bytes()[:4] == b"\x89PNG"
-  missing = _run_cli(f"--compare={tmp_path / 'a'},{tmp_path / 'nothing'}", f"--plot={plot}")
+  # An existing file is never replaced without --overwrite (here a note, not a PNG).
+  note = tmp_path / "notes.md"
+  note.write_text("my notes")
+  refused = _run_cli(f"--compare={tmp_path / 'a'}", f"--plot={note}")
+  assert refused.returncode != 0 and "Traceback" not in refused.stderr
+  assert "exists; pass --overwrite" in refused.stderr and note.read_text() == "my notes"
+  again = _run_cli(f"--compare={tmp_path / 'a'}", f"--plot={plot}", "--overwrite")
+  assert again.returncode == 0, again.stderr
+  other = tmp_path / "other.png"
+  missing = _run_cli(f"--compare={tmp_path / 'a'},{tmp_path / 'nothing'}", f"--plot={other}")
   assert missing.returncode != 0 and "Traceback" not in missing.stderr
   assert "eval.py --workdir=" in missing.stderr
 
