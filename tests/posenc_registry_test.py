@@ -75,3 +75,15 @@ def test_validate_posenc_leaves_original_len_to_the_config_loader():
   posenc.validate_posenc(PosEncConfig(scaling=scaling), causal=True, head_dim=64)
   filled = dataclasses.replace(scaling, original_max_len=512)
   assert make("rope", scaling=filled, head_dim=64).rotary_dims == 64
+
+
+def test_messages_that_list_encodings_list_every_one_that_qualifies():
+  # Derived from the registry: a kind added later appears without editing the message.
+  from roformer import posenc
+  from roformer.posenc_config import PosEncConfig
+
+  with pytest.raises(ValueError) as refused:
+    posenc.validate_posenc(PosEncConfig(kind="cope"), causal=False, head_dim=4)
+  for kind, cls in posenc.POSENCS.items():
+    assert (repr(kind) in str(refused.value).split("for an encoder")[1]) == (not cls.causal_only)
+  assert "'kerple'" in str(refused.value) and "'sandwich'" in str(refused.value)

@@ -72,7 +72,8 @@ def validate_posenc(
   if cfg.rope_truncate and not issubclass(cls, Rope):
     raise ValueError(
       f"posenc.rope_truncate={cfg.rope_truncate} applies only to the rotary encodings "
-      f"(posenc.kind in ('rope', 'xpos')), not posenc.kind={cfg.kind!r}; set it to 0"
+      f"(posenc.kind in {tuple(k for k, c in POSENCS.items() if issubclass(c, Rope))}), "
+      f"not posenc.kind={cfg.kind!r}; set it to 0"
     )
   if cfg.randomize_max < 0:
     raise ValueError(f"posenc.randomize_max={cfg.randomize_max} must be >= 0 (0 = off)")
