@@ -231,7 +231,10 @@ def _validate_optim(optim: OptimConfig) -> None:
     optim.schedule in SCHEDULES,
     f"optim.schedule must be one of {', '.join(SCHEDULES)}, got {optim.schedule!r}",
   )
-  _check(optim.learning_rate >= 0.0, f"optim.learning_rate must be >= 0, got {optim.learning_rate}")
+  _check(
+    optim.learning_rate > 0.0,
+    f"optim.learning_rate must be > 0 (at 0 no parameter would move), got {optim.learning_rate}",
+  )
   _check(optim.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {optim.warmup_steps}")
   _check(
     0.0 <= optim.final_learning_rate_fraction <= 1.0,
@@ -253,11 +256,10 @@ def _validate_optim(optim: OptimConfig) -> None:
 
 
 def _validate_train(train: TrainConfig, optim: OptimConfig) -> None:
-  for name in ("global_batch_size", "log_every_steps", "keep_checkpoints"):
+  for name in ("global_batch_size", "log_every_steps", "keep_checkpoints", "num_train_steps"):
     value = getattr(train, name)
     _check(value >= 1, f"train.{name} must be >= 1, got {value}")
   for name in (
-    "num_train_steps",
     "eval_every_steps",
     "eval_max_tokens",
     "eval_batch_size",

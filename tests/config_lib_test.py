@@ -117,6 +117,8 @@ def test_run_config_rejects_unknown_field_naming_it():
     ({"mesh.rules": (("batch", "pipeline"),)}, "mesh.rules"),
     ({"data.source": "web"}, "data.source"),
     ({"data.seq_len": 0}, "data.seq_len"),
+    ({"optim.learning_rate": 0.0}, "optim.learning_rate must be > 0"),
+    ({"train.num_train_steps": 0}, "train.num_train_steps must be >= 1"),
   ],
 )
 def test_run_config_rejects_bad_value_naming_field(overrides, field):
