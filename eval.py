@@ -18,7 +18,12 @@ flags.DEFINE_string("workdir", None, "Run directory to evaluate (its config.json
 flags.DEFINE_list("lengths", [], "Window lengths; default: training length to 16x, powers of 2.")
 flags.DEFINE_enum("protocol", "both", ["nonoverlapping", "sliding", "both"], "Window protocol.")
 flags.DEFINE_integer("stride", 0, "Sliding-window stride; 0 = length / 4.")
-flags.DEFINE_integer("max_tokens", 65536, "Scored tokens per length (multiple of the largest).")
+flags.DEFINE_integer(
+  "max_tokens",
+  65536,
+  "Scored tokens per length, rounded down to a multiple of the longest length (said when it is); "
+  "a value other than 65536 is part of the output name (_tok<N>).",
+)
 flags.DEFINE_enum("split", "validation", ["validation", "test"], "Split of the run's corpus.")
 flags.DEFINE_integer("step", None, "Checkpoint step; default the latest.")
 flags.DEFINE_integer("batch_size", 0, "Windows per batch; 0 = about 16k tokens per batch.")

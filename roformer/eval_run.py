@@ -27,6 +27,9 @@ MAX_POSITION_POINTS = 256
 AUTO_BATCH_TOKENS = 16384
 
 
+DEFAULT_MAX_TOKENS = 65536  # eval.py --max_tokens
+
+
 def default_lengths(seq_len: int) -> list[int]:
   """The training length to 16x by powers of two."""
   return [seq_len * 2**i for i in range(5)]
@@ -48,11 +51,13 @@ def output_name(
   default: Sequence[int] = (),
   protocol: str = "both",
   stride: int = 0,
+  max_tokens: int = DEFAULT_MAX_TOKENS,
 ) -> str:
   """NAME of DIR/eval/NAME.json: `out`, else ppl_vs_length with a suffix per non-default choice.
 
   Evaluating other text (`_files`), the test split (`_test`), other lengths (`_len256-512`), one
-  protocol (`_sliding`), a stride (`_stride64`), a RoPE scaling (`_<scaling>_<factor>`, factor
+  protocol (`_sliding`), a stride (`_stride64`), another number of scored tokens
+  (`_tok8192`), a RoPE scaling (`_<scaling>_<factor>`, factor
   "auto" too) or an attention window (`_window<W>`, `_bca<W>`) never overwrites the plain
   validation result. `default` is the default length list (`lengths` equal to it, or empty, add
   nothing).
@@ -71,6 +76,8 @@ def output_name(
     name += f"_{protocol}"
   if stride and protocol != "nonoverlapping":
     name += f"_stride{stride}"
+  if max_tokens != DEFAULT_MAX_TOKENS:
+    name += f"_tok{max_tokens}"
   if rope_scaling != "none":
     factor = rope_factor if rope_factor == AUTO_FACTOR else f"{float(rope_factor):g}"
     name += f"_{rope_scaling}_{factor}"
@@ -265,7 +272,7 @@ def evaluate_workdir(
   lengths: Sequence[int] = (),
   protocol: str = "both",
   stride: int = 0,
-  max_tokens: int = 65536,
+  max_tokens: int = DEFAULT_MAX_TOKENS,
   split: str = "validation",
   step: int | None = None,
   batch_size: int = 0,
@@ -329,6 +336,7 @@ def evaluate_workdir(
     default=default_lengths(seq_len),
     protocol=protocol,
     stride=stride,
+    max_tokens=max_tokens,
   )
   json_path = workdir / "eval" / f"{name}.json"
   if json_path.exists() and not overwrite:
@@ -361,6 +369,12 @@ def evaluate_workdir(
     f"evaluating {workdir} step {step} ({model_kind}, posenc {model_cfg.posenc.kind}) on "
     f"{len(tokens):,} tokens of {data_files or split}: lengths {lengths}, {', '.join(protocols)}"
   )
+  scored = max(1, max_tokens // max_length) * max_length
+  if scored != max_tokens:
+    log(
+      f"--max_tokens={max_tokens} is scored as {scored:,} targets: a whole number of windows of "
+      f"the longest length {max_length}, so every length scores the same tokens"
+    )
 
   records, position_scores = [], {}
   for i, length in enumerate(lengths, start=1):
@@ -437,6 +451,7 @@ def evaluate_workdir(
       protocols=protocols,
     ),
     "split": f"files:{data_files}" if data_files else split,
+    "max_tokens": max_tokens,
     "positions": randomized_positions.protocol(
       run_config.model.posenc.randomize_max, position_draws
     ),

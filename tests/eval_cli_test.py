@@ -178,6 +178,9 @@ def test_default_lengths_and_output_name():
   assert eval_run.output_name(rope_scaling="yarn", rope_factor=4.0) == "ppl_vs_length_yarn_4"
   assert eval_run.output_name("mine", rope_scaling="yarn", rope_factor=4.0) == "mine"
   assert eval_run.output_name(split="test") == "ppl_vs_length_test"
+  # Two evaluations of different sizes never share a name.
+  assert eval_run.output_name(max_tokens=8192) == "ppl_vs_length_tok8192"
+  assert eval_run.output_name(max_tokens=eval_run.DEFAULT_MAX_TOKENS) == "ppl_vs_length"
   assert eval_run.output_name(data_files="a/*.txt", split="test") == "ppl_vs_length_files"
   assert (
     eval_run.output_name(split="test", rope_scaling="ntk", rope_factor=2.0)
