@@ -125,18 +125,24 @@ def plot_runs(runs: Sequence[tuple[str, dict, int]], path, *, title: str = "") -
   if ppls and max(ppls) > 4 * min(ppls):
     # Extrapolation failures blow up by orders of magnitude; a log axis keeps the rest readable.
     ax_len.set_yscale("log")
+    ax_len.set_ylabel("perplexity (log scale)")
     # Label minor ticks at 2x and 5x: a span under two decades otherwise shows one number.
     ax_len.yaxis.set_minor_locator(ticker.LogLocator(base=10, subs=(2, 5)))
     ax_len.yaxis.set_minor_formatter(ticker.FuncFormatter(lambda y, _: f"{y:g}"))
   ax_len.yaxis.set_major_formatter(ticker.FuncFormatter(lambda y, _: f"{y:g}"))
   ax_len.set_xlabel("context length (tokens, log2 scale)")
-  ax_len.set_ylabel("perplexity")
+  if ax_len.get_yscale() != "log":
+    ax_len.set_ylabel("perplexity")
   ax_len.set_title("perplexity vs evaluation length")
   ax_len.grid(True, which="major", alpha=0.3)
   place_legend(fig, ax_len)
   ax_pos.set_xlabel("position in window")
   ax_pos.set_ylabel("mean loss (nats)")
-  ax_pos.set_title("loss by position in the window (longest length)")
+  protocols = {
+    (r.get("per_position") or {}).get("protocol", "") for _, r, *_ in runs if r.get("per_position")
+  } - {""}
+  windows = f", {'/'.join(sorted(protocols))} windows" if protocols else ""
+  ax_pos.set_title(f"loss by position in the window (longest length{windows})")
   ax_pos.grid(True, alpha=0.3)
   if has_positions:
     place_legend(fig, ax_pos)

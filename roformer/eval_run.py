@@ -435,6 +435,7 @@ def evaluate_workdir(
     scores = position_scores[key]
     per_position = {
       "length": key[0],
+      "protocol": key[1],
       "loss": bin_positions(scores.position_loss_sum, scores.position_weight_sum),
     }
   result = {

@@ -330,3 +330,21 @@ def test_eval_cli_bad_flag_combinations_exit_with_one_line(rope_run, args, expec
   assert "Traceback" not in proc.stderr
   errors = [line for line in proc.stderr.splitlines() if "error" in line]
   assert len(errors) == 1 and expected in errors[0], proc.stderr[-2000:]
+
+
+def test_plot_says_log_scale_and_which_windows_the_position_panel_shows(tmp_path, monkeypatch):
+  from roformer import eval_plot
+
+  figures = []
+  monkeypatch.setattr(eval_plot.plt, "close", figures.append)
+  records = [
+    {"length": n, "protocol": "nonoverlapping", "loss": float(np.log(p)), "ppl": p, "tokens": 8}
+    for n, p in ((32, 5.0), (64, 80.0))
+  ]  # a blow-up: the perplexity axis goes logarithmic
+  per_position = {"length": 64, "protocol": "nonoverlapping", "loss": [1.0, 2.0]}
+  result = {"posenc": "rope", "records": records, "per_position": per_position}
+  eval_plot.plot_runs([("rope", result, 32)], tmp_path / "p.png")
+  ax_len, ax_pos = figures[0].axes[:2]
+  assert ax_len.get_yscale() == "log" and "log scale" in ax_len.get_ylabel()
+  assert "log2 scale" in ax_len.get_xlabel()
+  assert "nonoverlapping windows" in ax_pos.get_title()
