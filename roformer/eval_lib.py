@@ -1,6 +1,6 @@
 """Perplexity against context length: evaluation windows and their blockwise scoring.
 
-Every length scores the same span of tokens (DESIGN.md "Evaluation"); the loss of a window is
+Every length scores the same span of tokens (docs/design.md, "Evaluation"); the loss of a window is
 computed over sequence blocks, so a long window never holds its [L, V] logits at once.
 """
 
