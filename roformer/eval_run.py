@@ -1,6 +1,6 @@
 """eval.py's driver: a run's checkpoint at several lengths, its JSON and plot, and comparisons.
 
-Writes DIR/eval/NAME.json and NAME.png (docs/design.md, "Workdir"); the scoring itself is eval_lib's.
+Writes DIR/eval/NAME.json and NAME.png (docs/design.md, "Workdir"); eval_lib does the scoring.
 """
 
 import dataclasses
