@@ -159,6 +159,10 @@ def main(argv):
   except (ValueError, FileNotFoundError, FileExistsError) as e:
     # Bad input (config, data, missing checkpoint) is one clear line and exit 1, no traceback.
     sys.exit(f"eval.py: error: {e}")
+  except KeyboardInterrupt:
+    # Results are written once all lengths are scored: an interrupted evaluation wrote nothing.
+    print("eval.py: interrupted; no result written (DIR/eval/ is as before)", file=sys.stderr)
+    sys.exit(130)
 
 
 if __name__ == "__main__":

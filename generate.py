@@ -48,6 +48,9 @@ def main(argv):
   except (ValueError, FileNotFoundError) as e:
     # Bad input is one clear line and exit 1, no traceback.
     sys.exit(f"generate.py: error: {e}")
+  except KeyboardInterrupt:
+    print("generate.py: interrupted", file=sys.stderr)
+    sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -348,3 +348,34 @@ def test_plot_says_log_scale_and_which_windows_the_position_panel_shows(tmp_path
   assert ax_len.get_yscale() == "log" and "log scale" in ax_len.get_ylabel()
   assert "log2 scale" in ax_len.get_xlabel()
   assert "nonoverlapping windows" in ax_pos.get_title()
+
+
+@pytest.mark.parametrize(
+  "script, patched, args",
+  [
+    ("eval", "eval_run.evaluate_workdir", ["--workdir=DIR"]),
+    ("generate", "generate_run.generate_text", ["--workdir=DIR", "--prompt=x"]),
+  ],
+)
+def test_ctrl_c_is_one_line_and_exit_130(script, patched, args):
+  module, function = patched.split(".")
+  code = (
+    "import sys\n"
+    "from absl import app\n"
+    f"sys.argv = ['{script}.py', *{args!r}]\n"
+    f"import {script} as cli\n"
+    f"from roformer import {module}\n"
+    "def interrupted(*args, **kwargs):\n"
+    "  raise KeyboardInterrupt\n"
+    f"{module}.{function} = interrupted\n"
+    "app.run(cli.main)\n"
+  )
+  proc = subprocess.run(
+    [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
+    env={**os.environ, "JAX_PLATFORMS": "cpu"},
+  )  # fmt: skip
+  assert proc.returncode == 130
+  assert proc.stderr.strip().splitlines() == [
+    f"{script}.py: interrupted"
+    + ("; no result written (DIR/eval/ is as before)" if script == "eval" else "")
+  ]
