@@ -27,6 +27,7 @@ Legend: B batch, P prompt length, N new tokens, V vocabulary.
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -103,6 +104,32 @@ def _check(model, prompt_BP, max_new_tokens, temperature, top_k, top_p):
     raise ValueError(f"top_p={top_p} must be in (0, 1] (1 = no nucleus filter)")
   # E.g. a learned position table must cover every generated position.
   model_lib.validate_model(model.cfg, seq_len=prompt_BP.shape[1] + max_new_tokens)
+  _check_cache_memory(model, prompt_BP.shape[0], prompt_BP.shape[1] + max_new_tokens)
+
+
+def _check_cache_memory(model, batch: int, length: int) -> None:
+  """Refuses, before anything is compiled, a generation whose decoding caches alone would take
+  more than half of the device's memory (the parameters and activations need the rest)."""
+  caches = jax.eval_shape(lambda: model.init_caches(batch, length))
+  need = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(caches))
+  have = _device_memory_bytes()
+  if have and need > have // 2:
+    raise ValueError(
+      f"generating {length:,} positions needs {need / 2**30:,.1f} GiB of decoding cache, more "
+      f"than half of this device's {have / 2**30:,.1f} GiB; ask for fewer --max_new_tokens"
+    )
+
+
+def _device_memory_bytes() -> int:
+  """The memory of the first device (an accelerator's limit, the host's RAM on CPU), or 0."""
+  device = jax.devices()[0]
+  stats = device.memory_stats() if device.platform != "cpu" else None
+  if stats and stats.get("bytes_limit"):
+    return int(stats["bytes_limit"])
+  try:
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+  except (ValueError, OSError, AttributeError):
+    return 0
 
 
 @functools.partial(jax.jit, static_argnums=0)

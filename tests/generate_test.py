@@ -102,6 +102,12 @@ def test_encoders_and_bad_arguments_are_refused_with_the_reason():
     gen.generate(vh.random_model(vh.config("learned")), vh.tokens(1, 60), max_new_tokens=10)
 
 
+def test_a_generation_larger_than_memory_is_refused_before_compiling():
+  decoder = vh.random_model(vh.config())
+  with pytest.raises(ValueError, match=r"needs [\d,.]+ GiB of decoding cache, more than half"):
+    gen.generate(decoder, vh.tokens(1, 2), max_new_tokens=1_000_000_000)
+
+
 def test_generation_refuses_a_content_dependent_encoding():
   model = vh.random_model(vh.config("cope", {"cope_npos_max": 64}))
   with pytest.raises(ValueError, match="posenc.kind='cope'.*decoding cache"):
