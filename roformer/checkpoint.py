@@ -293,13 +293,15 @@ def _place_like(source: Any, target: Any, origin: str) -> Any:
   return jax.tree_util.tree_unflatten(treedef, placed)
 
 
-def load_init_state(init_from: str, abstract_model: Any) -> Any:
+def load_init_state(init_from: str, abstract_model: Any, model_cfg=None) -> Any:
   """Model state from train.init_from, placed with the shardings of `abstract_model`.
 
   Args:
     init_from: another run's workdir (or its checkpoints/ dir, or one checkpoint step dir), or a
       Hugging Face RoFormerForMaskedLM directory (config.json + model.safetensors).
     abstract_model: nnx state of jax.ShapeDtypeStruct (with shardings) of this run's model.
+    model_cfg: this run's ModelConfig; a checkpoint that does not fit is then explained by the
+      parameters whose shapes differ and the config fields behind them.
 
   Raises:
     ConfigError naming train.init_from when the path is not usable or the shapes differ.
@@ -310,14 +312,21 @@ def load_init_state(init_from: str, abstract_model: Any) -> Any:
   run = _run_workdir(path)
   if run is not None:
     workdir, step = run
+    # Shapes first: a restore into other shapes fails deep inside Orbax, after reading arrays.
+    misfit = _misfit(workdir, abstract_model, model_cfg) if model_cfg is not None else ""
+    if misfit:
+      raise ConfigError(
+        f"train.init_from={init_from}: its checkpoint does not fit this model's config ({misfit})"
+      )
     try:
       state, step = _restore_model_state(workdir, step, abstract_model)
     except CheckpointNotFoundError as e:
       raise ConfigError(f"train.init_from={init_from}: {e}") from e
     except (ValueError, KeyError) as e:
       raise ConfigError(
-        f"train.init_from={init_from}: its checkpoint does not fit this model's config ({e})"
-      ) from e
+        f"train.init_from={init_from}: its checkpoint does not fit this model's config "
+        f"({str(e).splitlines()[0]})"
+      ) from None
     logging.info("Initialised parameters from %s (step %d).", workdir, step)
     return state
   if _is_hf_dir(path):
@@ -337,6 +346,56 @@ def load_init_state(init_from: str, abstract_model: Any) -> Any:
     f"train.init_from={init_from}: expected a training workdir (with {CHECKPOINT_DIR}/) or a "
     "Hugging Face RoFormer directory (config.json + *.safetensors)"
   )
+
+
+def _misfit(workdir: epath.Path, abstract_model: Any, model_cfg) -> str:
+  """The parameters whose shapes differ between `workdir`'s run and this model, and the model
+  config fields that differ (what a command-line user can change); "" if every shape fits (or
+  the run's config cannot be read)."""
+  import dataclasses
+
+  try:
+    source_cfg = config_lib.load_run_config(workdir).model
+    source = nnx.state(nnx.eval_shape(lambda: model_lib.make_model(source_cfg, rngs=nnx.Rngs(0))))
+  except (FileNotFoundError, ValueError):
+    return ""
+
+  def shapes(tree):
+    return {
+      jax.tree_util.keystr(path): tuple(leaf.shape)
+      for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
+      if hasattr(leaf, "shape")
+    }
+
+  there, here = shapes(source), shapes(abstract_model)
+  params = [
+    f"{_param_name(name)} {there.get(name, 'absent')} there, {here.get(name, 'absent')} here"
+    for name in sorted(set(there) | set(here))
+    if there.get(name) != here.get(name)
+  ]
+  if not params:
+    return ""
+
+  def flat(cfg, prefix):
+    out = {}
+    for field in dataclasses.fields(cfg):
+      value = getattr(cfg, field.name)
+      name = "posenc" if field.name == "posenc" else f"{prefix}.{field.name}"
+      if dataclasses.is_dataclass(value):
+        out.update(flat(value, name))
+      else:
+        out[name] = value
+    return out
+
+  old, new = flat(source_cfg, "model"), flat(model_cfg, "model")
+  fields = [f"{k}: {old[k]!r} -> {new[k]!r}" for k in sorted(old) if old[k] != new.get(k)]
+  shown = "; ".join(params[:4]) + ("; ..." if len(params) > 4 else "")
+  return f"parameters {shown}; config fields {', '.join(fields) or 'none'}"
+
+
+def _param_name(keystr: str) -> str:
+  """ "['layers'][0]['attn']" -> "layers/0/attn"."""
+  return "/".join(p.strip("'") for p in keystr.strip("[]").split("]["))
 
 
 # ---- Preemption ----

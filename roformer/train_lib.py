@@ -429,7 +429,7 @@ def _restore_or_init(
     return model_def, model_state, opt_def, opt_state, step
   model_def, model_state, opt_def, opt_state = create_train_state(rc, tx, mesh, rules)
   if rc.train.init_from:
-    model_state = checkpoint.load_init_state(rc.train.init_from, _abstract(model_state))
+    model_state = checkpoint.load_init_state(rc.train.init_from, _abstract(model_state), rc.model)
   return model_def, model_state, opt_def, opt_state, 0
 
 

@@ -203,3 +203,26 @@ def test_init_from_hugging_face_into_scanned_layers_is_one_clear_error():
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), model_state)
   with pytest.raises(config_lib.ConfigError, match="scan_layers=False"):
     checkpoint.load_init_state(str(fixture), abstract)
+
+
+def test_init_from_a_run_of_another_shape_names_the_parameters_and_config_fields(
+  tmp_path, train_state
+):
+  rc, _, _, (_, model_state, _, opt_state) = train_state
+  config_lib.write_config_json(tmp_path, rc)
+  manager = checkpoint.make_manager(tmp_path)
+  checkpoint.save(manager, 4, model_state, opt_state, {"step": 4})
+  manager.wait_until_finished()
+  manager.close()
+  wider = dataclasses.replace(rc.model, mlp_dim=48)
+  mesh = sharding.make_mesh(rc.mesh)
+  other = dataclasses.replace(rc, model=wider)
+  _, abstract, _, _ = train_lib.abstract_train_state(
+    other, train_lib.make_optimizer(rc.optim, 10), mesh, rc.mesh.rules
+  )
+  with pytest.raises(config_lib.ConfigError) as error:
+    checkpoint.load_init_state(str(tmp_path), abstract, wider)
+  message = str(error.value)
+  assert "\n" not in message and "partial_restore" not in message
+  assert "layers/0/mlp/up/kernel" in message and "(16, 32) there, (16, 48) here" in message
+  assert "config fields model.mlp_dim: 32 -> 48" in message
