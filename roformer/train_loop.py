@@ -49,6 +49,7 @@ class Loop:
   start_step: int  # the step the run starts (or resumes) from
   validation: Any = None  # validation tokens, read on the first evaluation
   sums: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(3))  # loss, correct, weight
+  steps_in_window: int = 0  # steps the sums cover (fewer than log_every_steps after a resume)
   last_metrics: dict = dataclasses.field(default_factory=dict)  # the last finished step's values
   last_eval: dict = dataclasses.field(default_factory=dict)
 
@@ -152,6 +153,7 @@ def finish_step(loop: Loop, step: int, metrics: dict) -> None:
       f"parameters finite: {bool(values['params_finite'])}); the run stopped. {last_good(loop)}"
     )
   loop.sums += [values["loss_sum"], values["correct_sum"], values["weight_sum"]]
+  loop.steps_in_window += 1
   loop.last_metrics = values
   if loop.console.wants_progress(step):
     loop.console.progress(step, {"train_loss": loop.sums[0] / max(loop.sums[2], 1.0)})
@@ -171,9 +173,15 @@ def log_train(loop: Loop, step: int) -> None:
   }
   if rc.model.kind == "encoder":
     scalars["train_accuracy"] = correct_sum / max(weight_sum, 1.0)
+  if loop.steps_in_window != rc.train.log_every_steps:
+    # A window cut short (the first one after a resume, the last one of a run): its average
+    # covers fewer steps than an uninterrupted run's record of the same step; say how many.
+    scalars["train_loss_steps"] = loop.steps_in_window
   loop.writer.write(step, scalars)
-  loop.console.line(step, scalars, seconds_per_step)
+  note = f"(train_loss over {loop.steps_in_window} steps)" if "train_loss_steps" in scalars else ""
+  loop.console.line(step, scalars, seconds_per_step, note=note)
   loop.sums[:] = 0.0
+  loop.steps_in_window = 0
 
 
 def stop_requested(watcher: checkpoint.PreemptionWatcher, train, done: int) -> bool:

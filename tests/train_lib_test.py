@@ -422,3 +422,22 @@ def test_signal_saves_a_checkpoint_and_exits_cleanly(tmp_path, signum):
   assert f"saved the checkpoint of step {steps[0]}" in log
   train, _ = train_helpers.read_metrics(tmp_path / "run")
   assert max(train) <= steps[0]
+
+
+@pytest.mark.slow
+def test_a_log_window_cut_short_by_a_resume_says_how_many_steps_it_covers(tmp_path):
+  common = {"train.log_every_steps": 4, "train.eval_every_steps": 0, "train.eval_max_tokens": 0}
+  first = train_helpers.run_train(tmp_path, {**common, "train.num_train_steps": 6})
+  assert first.returncode == 0, first.stderr[-3000:]
+  resumed = train_helpers.run_train(tmp_path, {**common, "train.num_train_steps": 12})
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  records, _ = train_helpers.read_metrics(tmp_path)
+  # Steps 5-6 end the first run, 7-8 begin the resumed one: two-step windows, said so; the
+  # full windows (4 and 12) carry no count.
+  assert {s: r.get("train_loss_steps") for s, r in records.items()} == {
+    4: None,
+    6: 2,
+    8: 2,
+    12: None,
+  }
+  assert "(train_loss over 2 steps)" in resumed.stderr
