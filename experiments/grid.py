@@ -12,6 +12,7 @@ done (`finished_record` names the fields that differ) and two grids never share 
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import dataclasses
 import hashlib
@@ -314,6 +315,11 @@ def run_grid(
   after each finished run, so a grid stopped part-way leaves results for the runs it finished.
   """
   out.mkdir(parents=True, exist_ok=True)
+  with stop_on_ctrl_c(out):
+    return _run_grid(runs, base, common, out, workroot, report, adopt)
+
+
+def _run_grid(runs, base, common, out, workroot, report, adopt) -> list[dict]:
   progress = Progress(len(runs))
   records, workdirs = [], {}
   for index, run in enumerate(runs, start=1):
@@ -370,6 +376,22 @@ def run_grid(
     if report is not None:
       report(records)
   return records
+
+
+@contextlib.contextmanager
+def stop_on_ctrl_c(out: pathlib.Path):
+  """Ctrl-C: one line saying which runs are finished (their JSONs) and how to resume, exit 130."""
+  try:
+    yield
+  except KeyboardInterrupt:
+    done = sorted(p.stem for p in pathlib.Path(out).glob("*.json"))
+    print(
+      f"interrupted; {len(done)} finished runs in {out}"
+      + (f" ({', '.join(done)})" if done else "")
+      + "; rerun the same command to resume",
+      file=sys.stderr,
+    )
+    sys.exit(130)
 
 
 def finished_records(runs: Sequence[Run], out: pathlib.Path) -> list[dict]:

@@ -329,29 +329,30 @@ def main(argv):
       f"like {names}, ...)"
     )
   print(f"synthetic grid, scale {FLAGS.scale}: {len(runs)} runs -> {out} (workdirs {root})")
-  for i, (task, encoding, randomized) in enumerate(runs, start=1):
-    name = run_name(task, encoding, randomized)
-    path = out / (file_stem(name) + ".json")
-    config = run_config(scale, task, encoding, randomized)
-    settings = grid.run_settings(config, eval_spec(scale, task, randomized))
-    if grid.finished_record(path, settings, adopt=FLAGS.adopt) is not None:
-      print(f"[{i}/{len(runs)}] {name}: done before, skipped", flush=True)
-      continue
-    start = time.perf_counter()
-    workdir = root / grid.workdir_name(file_stem(name), settings)
-    result = run_one(scale, task, encoding, randomized, config, str(workdir))
-    result.update(settings=settings, settings_hash=grid.settings_hash(settings))
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    scored = [rec for rec in result["records"] if "skipped" not in rec]
-    summary = ", ".join(
-      f"n={rec['length']} {rec['exact_match']:.2f}/{rec['token_accuracy']:.2f}" for rec in scored
-    )
-    print(
-      f"[{i}/{len(runs)}] {name}: {time.perf_counter() - start:.0f}s, exact match / per token "
-      f"{summary}",
-      flush=True,
-    )
-    summarize(str(out))  # after every run: a grid stopped part way leaves summaries of what it did
+  with grid.stop_on_ctrl_c(out):
+    for i, (task, encoding, randomized) in enumerate(runs, start=1):
+      name = run_name(task, encoding, randomized)
+      path = out / (file_stem(name) + ".json")
+      config = run_config(scale, task, encoding, randomized)
+      settings = grid.run_settings(config, eval_spec(scale, task, randomized))
+      if grid.finished_record(path, settings, adopt=FLAGS.adopt) is not None:
+        print(f"[{i}/{len(runs)}] {name}: done before, skipped", flush=True)
+        continue
+      start = time.perf_counter()
+      workdir = root / grid.workdir_name(file_stem(name), settings)
+      result = run_one(scale, task, encoding, randomized, config, str(workdir))
+      result.update(settings=settings, settings_hash=grid.settings_hash(settings))
+      path.write_text(json.dumps(result, indent=2) + "\n")
+      scored = [rec for rec in result["records"] if "skipped" not in rec]
+      summary = ", ".join(
+        f"n={rec['length']} {rec['exact_match']:.2f}/{rec['token_accuracy']:.2f}" for rec in scored
+      )
+      print(
+        f"[{i}/{len(runs)}] {name}: {time.perf_counter() - start:.0f}s, exact match / per token "
+        f"{summary}",
+        flush=True,
+      )
+      summarize(str(out))  # after every run: a grid stopped part way leaves its summaries
   count = summarize(str(out))
   print(f"wrote {out}/results.csv, table.md and one PNG per task ({count} runs)", flush=True)
 

@@ -140,3 +140,16 @@ def test_a_run_stopped_before_its_last_step_ends_the_grid_instead_of_being_score
   _fake_training(monkeypatch, last_step=steps)
   record = synthetic.run_one(scale, "copy", "rope", False, config, str(tmp_path / "finished"))
   assert len(evaluated) == 1 and record["run"] == "copy/rope"
+
+
+def test_ctrl_c_in_a_grid_is_one_line_naming_the_finished_runs(tmp_path, capsys, monkeypatch):
+  monkeypatch.syspath_prepend(str(REPO / "experiments"))
+  import grid
+
+  (tmp_path / "copy__rope.json").write_text("{}")
+  with pytest.raises(SystemExit) as stopped, grid.stop_on_ctrl_c(tmp_path):
+    raise KeyboardInterrupt
+  assert stopped.value.code == 130
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and "1 finished runs" in err and "(copy__rope)" in err
+  assert "rerun the same command to resume" in err
