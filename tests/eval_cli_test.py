@@ -17,7 +17,8 @@ from roformer.model import make_model
 REPO = Path(__file__).resolve().parent.parent
 SEQ_LEN = 32
 JSON_KEYS = {
-  "step", "posenc", "rope_scaling", "attention_window", "notes", "split", "records", "per_position"
+  "step", "posenc", "rope_scaling", "attention_window", "notes", "split", "max_tokens",
+  "positions", "records", "per_position",
 }  # fmt: skip
 
 
@@ -82,7 +83,7 @@ def _run_cli(*args):
 def test_evaluate_workdir_writes_design_schema_json_and_png(rope_run):
   lines = []
   result, path = _evaluate(rope_run, log=lines.append)
-  assert path == rope_run / "eval" / "ppl_vs_length_len32-64.json"
+  assert path == rope_run / "eval" / "ppl_vs_length_len32-64_tok128.json"
   written = json.loads(path.read_text())
   assert written == json.loads(json.dumps(result))
   assert set(written) == JSON_KEYS
@@ -107,7 +108,7 @@ def test_evaluate_workdir_writes_design_schema_json_and_png(rope_run):
   assert written["per_position"]["length"] == 64
   assert len(written["per_position"]["loss"]) == 64
   assert all(np.isfinite(written["per_position"]["loss"]))
-  assert (rope_run / "eval" / "ppl_vs_length_len32-64.png").read_bytes()[:4] == b"\x89PNG"
+  assert (rope_run / "eval" / "ppl_vs_length_len32-64_tok128.png").read_bytes()[:4] == b"\x89PNG"
   assert any("length 2/2" in line and "tokens/s" in line for line in lines)
 
 
@@ -116,8 +117,8 @@ def test_evaluate_workdir_rope_scaling_writes_a_separate_file(rope_run):
   scaled, path = _evaluate(
     rope_run, lengths=[64], protocol="nonoverlapping", rope_scaling="linear", rope_factor=2.0
   )
-  assert path.name == "ppl_vs_length_len64_nonoverlapping_linear_2.json"
-  assert (rope_run / "eval" / "ppl_vs_length_len64_nonoverlapping_linear_2.png").exists()
+  assert path.name == "ppl_vs_length_len64_nonoverlapping_tok128_linear_2.json"
+  assert (rope_run / "eval" / "ppl_vs_length_len64_nonoverlapping_tok128_linear_2.png").exists()
   assert json.loads(plain_path.read_text()) == json.loads(json.dumps(plain))
   assert scaled["rope_scaling"] == {"kind": "linear", "factor": 2.0}
   # Same weights, other frequencies: a different loss on the same tokens.
@@ -278,14 +279,16 @@ def test_eval_cli_reproduces_the_training_eval_loss(tmp_path, model_kind):
     "--max_tokens=256",
   )  # fmt: skip
   assert proc.returncode == 0, proc.stderr[-3000:]
-  result = json.loads((workdir / "eval" / "ppl_vs_length_len32_nonoverlapping.json").read_text())
+  result = json.loads(
+    (workdir / "eval" / "ppl_vs_length_len32_nonoverlapping_tok256.json").read_text()
+  )
   (record,) = result["records"]
   assert result["step"] == 12
   assert record["tokens"] == logged["eval_tokens"]
   assert abs(record["loss"] - logged["eval_loss"]) <= 1e-5
   if model_kind == "encoder":
     assert abs(record["accuracy"] - logged["eval_accuracy"]) <= 1e-5
-  png = workdir / "eval" / "ppl_vs_length_len32_nonoverlapping.png"
+  png = workdir / "eval" / "ppl_vs_length_len32_nonoverlapping_tok256.png"
   assert png.read_bytes()[:4] == b"\x89PNG"
 
 
@@ -294,9 +297,8 @@ def test_evaluate_workdir_refuses_to_overwrite_a_result_without_overwrite(rope_r
   first, path = _evaluate(rope_run, **args)
   path.write_text(path.read_text().replace('"step": 7', '"step": 3'))
   before = path.read_bytes()
-  with pytest.raises(
-    FileExistsError, match=r"ppl_vs_length_len32_nonoverlapping.json exists \(step 3\).*--overwrite"
-  ):
+  exists = r"ppl_vs_length_len32_nonoverlapping_tok64.json exists \(step 3\).*--overwrite"
+  with pytest.raises(FileExistsError, match=exists):
     _evaluate(rope_run, **args)
   assert path.read_bytes() == before
   again, path_again = _evaluate(rope_run, overwrite=True, **args)
@@ -307,7 +309,7 @@ def test_evaluate_workdir_refuses_to_overwrite_a_result_without_overwrite(rope_r
 def test_evaluate_workdir_resolves_a_relative_workdir(rope_run, monkeypatch):
   monkeypatch.chdir(rope_run.parent)
   _, path = _evaluate(rope_run.name, lengths=[32], protocol="sliding", stride=16, max_tokens=64)
-  assert path == rope_run / "eval" / "ppl_vs_length_len32_sliding_stride16.json"
+  assert path == rope_run / "eval" / "ppl_vs_length_len32_sliding_stride16_tok64.json"
   assert path.exists()
 
 
@@ -320,7 +322,10 @@ def test_evaluate_workdir_resolves_a_relative_workdir(rope_run, monkeypatch):
     (["--workdir=DIR", "--plot=x.png"], "--plot needs --compare"),
     (["--workdir=DIR", "--protocol=nonoverlapping", "--stride=8"], "--stride"),
     (["--workdir="], "--workdir is empty"),
-    (["--workdir=DIR", "--lengths=32", "--protocol=nonoverlapping"], "--overwrite"),
+    (
+      ["--workdir=DIR", "--lengths=32", "--protocol=nonoverlapping", "--max_tokens=128"],
+      "--overwrite",
+    ),
   ],
 )
 def test_eval_cli_bad_flag_combinations_exit_with_one_line(rope_run, args, expected):

@@ -77,7 +77,9 @@ def test_relative_and_home_workdirs_train_save_and_evaluate(tmp_path, workdir):
     env=env,
   )
   assert evaluated.returncode == 0, evaluated.stderr[-3000:]
-  result = json.loads((resolved / "eval" / "ppl_vs_length_len32_nonoverlapping.json").read_text())
+  result = json.loads(
+    (resolved / "eval" / "ppl_vs_length_len32_nonoverlapping_tok64.json").read_text()
+  )
   assert result["step"] == 4
 
 
