@@ -384,3 +384,10 @@ def test_ctrl_c_is_one_line_and_exit_130(script, patched, args):
     f"{script}.py: interrupted"
     + ("; no result written (DIR/eval/ is as before)" if script == "eval" else "")
   ]
+
+
+def test_max_tokens_that_is_no_multiple_of_the_longest_length_is_rounded_with_a_line(rope_run):
+  lines = []
+  result, _ = _evaluate(rope_run, max_tokens=100, out="rounded", overwrite=True, log=lines.append)
+  assert any("--max_tokens=100 is scored as 64 targets" in line for line in lines)
+  assert {r["tokens"] for r in result["records"]} == {64} and result["max_tokens"] == 100
