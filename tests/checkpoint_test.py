@@ -29,6 +29,15 @@ def _leaves(state):
   return [np.asarray(x) for x in jax.tree.leaves(state)]
 
 
+def _save_run(workdir, rc, model_state, opt_state, *, step):
+  """A finished run in `workdir`: its config.json and one checkpoint at `step`."""
+  config_lib.write_config_json(workdir, rc)
+  manager = checkpoint.make_manager(workdir)
+  checkpoint.save(manager, step, model_state, opt_state, {"step": step})
+  manager.wait_until_finished()
+  manager.close()
+
+
 @pytest.fixture(scope="module")
 def train_state():
   rc = _tiny_run_config()
@@ -69,11 +78,7 @@ def test_manager_keeps_only_the_latest_checkpoints(tmp_path, train_state):
 
 def test_restore_model_returns_the_saved_parameters(tmp_path, train_state):
   rc, _, _, (model_def, model_state, _, opt_state) = train_state
-  config_lib.write_config_json(tmp_path, rc)
-  manager = checkpoint.make_manager(tmp_path)
-  checkpoint.save(manager, 3, model_state, opt_state, {"step": 3})
-  manager.wait_until_finished()
-  manager.close()
+  _save_run(tmp_path, rc, model_state, opt_state, step=3)
   model, step = checkpoint.restore_model(tmp_path)
   assert step == 3
   for a, b in zip(_leaves(model_state), _leaves(nnx.state(model)), strict=True):
@@ -159,11 +164,7 @@ def test_restore_latest_readable_without_a_readable_checkpoint_raises_one_line(
 @pytest.mark.parametrize("suffix", ["", "checkpoints", "checkpoints/4"])
 def test_init_from_a_run_loads_its_parameters(tmp_path, train_state, suffix):
   rc, _, _, (_, model_state, _, opt_state) = train_state
-  config_lib.write_config_json(tmp_path, rc)
-  manager = checkpoint.make_manager(tmp_path)
-  checkpoint.save(manager, 4, model_state, opt_state, {"step": 4})
-  manager.wait_until_finished()
-  manager.close()
+  _save_run(tmp_path, rc, model_state, opt_state, step=4)
   abstract = jax.tree.map(
     lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), model_state
   )
@@ -209,11 +210,7 @@ def test_init_from_a_run_of_another_shape_names_the_parameters_and_config_fields
   tmp_path, train_state
 ):
   rc, _, _, (_, model_state, _, opt_state) = train_state
-  config_lib.write_config_json(tmp_path, rc)
-  manager = checkpoint.make_manager(tmp_path)
-  checkpoint.save(manager, 4, model_state, opt_state, {"step": 4})
-  manager.wait_until_finished()
-  manager.close()
+  _save_run(tmp_path, rc, model_state, opt_state, step=4)
   wider = dataclasses.replace(rc.model, mlp_dim=48)
   mesh = sharding.make_mesh(rc.mesh)
   other = dataclasses.replace(rc, model=wider)
