@@ -527,22 +527,13 @@ class Mlp(nnx.Module):
 def _model_posenc(cfg, emb_dim, *, causal, rngs):
   """The model's encoding; for one with parameters per layer (`PosEnc.per_layer`) a
   parameter-free instance whose `embed` and `prepare` are the identity, as that encoding's are."""
-  if POSENCS[cfg.posenc.kind].per_layer(cfg.posenc):
-    head_dim = ATTENTIONS[cfg.attention].rotary_head_dim(cfg, resolve_head_dim(cfg))
-    return PosEnc(
-      cfg.posenc,
-      num_heads=cfg.num_heads,
-      head_dim=head_dim,
-      emb_dim=emb_dim,
-      causal=causal,
-      param_dtype=DTYPES[cfg.param_dtype],
-      rngs=rngs,
-    )
-  return _posenc(cfg, emb_dim, causal=causal, rngs=rngs)
+  per_layer = POSENCS[cfg.posenc.kind].per_layer(cfg.posenc)
+  return _posenc(cfg, emb_dim, causal=causal, rngs=rngs, build=PosEnc if per_layer else None)
 
 
-def _posenc(cfg, emb_dim, *, causal, rngs):
-  return make_posenc(
+def _posenc(cfg, emb_dim, *, causal, rngs, build=None):
+  """`make_posenc` for the model config (validated, the registry's class), or `build(...)`."""
+  return (build or make_posenc)(
     cfg.posenc,
     num_heads=cfg.num_heads,
     head_dim=ATTENTIONS[cfg.attention].rotary_head_dim(cfg, resolve_head_dim(cfg)),
