@@ -1,6 +1,6 @@
 """Perplexity against context length for a trained run, or several runs in one plot.
 
-This file is intentionally kept short; the logic lives in roformer/eval_run.py and eval_lib.py.
+The logic lives in roformer/evals/ (ppl_vs_length.py, task_vs_length.py, perplexity.py).
 
   python eval.py --workdir=DIR [--lengths=256,512] [--protocol=both] [--rope_scaling=yarn ...]
   python eval.py --compare=DIR1,DIR2 --plot=FILE.png
@@ -92,14 +92,14 @@ def main(argv):
   try:
     _check_flag_combinations()
     if FLAGS.compare:
-      from roformer import eval_plot  # plotting only: no JAX needed
+      from roformer.evals import plots as eval_plot  # plotting only: no JAX needed
 
       if not FLAGS.plot:
         raise ValueError("--compare needs --plot=FILE.png")
       if os.path.exists(FLAGS.plot) and not FLAGS.overwrite:
         raise FileExistsError(f"--plot={FLAGS.plot} exists; pass --overwrite to replace it")
       if FLAGS.out.startswith("task"):  # task_vs_length JSON: accuracy curves
-        from roformer import task_plot
+        from roformer.evals import task_plots as task_plot
 
         path = task_plot.compare_runs(FLAGS.compare, FLAGS.plot, name=FLAGS.out)
       else:
@@ -110,16 +110,16 @@ def main(argv):
       return
     if FLAGS.workdir is None:
       raise ValueError("give --workdir=DIR (or --compare=DIR1,DIR2 --plot=FILE.png)")
-    from roformer import cpu_flags
+    from roformer.infra import cpu_flags
 
     cpu_flags.set_default_cpu_flags()  # before JAX starts
     import jax
 
-    from roformer import eval_run
+    from roformer.evals import ppl_vs_length as eval_run
 
     print(f"JAX devices: {jax.devices()}", flush=True)
     if FLAGS.task_lengths:
-      from roformer import eval_tasks
+      from roformer.evals import task_vs_length as eval_tasks
 
       lengths = [] if FLAGS.task_lengths == ["default"] else FLAGS.task_lengths
       if not all(x.strip().isdigit() for x in lengths):

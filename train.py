@@ -1,6 +1,6 @@
 """Trains a RoFormer-JAX model: `python train.py --config=configs/lm.py --workdir=DIR`.
 
-This file is intentionally kept short. The logic lives in roformer/train_lib.py.
+This file is intentionally kept short. The logic lives in roformer/train/trainer.py.
 """
 
 import os
@@ -76,7 +76,7 @@ def _parse_flags(argv):
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-  from roformer import cpu_flags
+  from roformer.infra import cpu_flags
 
   cpu_flags.set_default_cpu_flags()  # before JAX starts
   import jax
@@ -92,7 +92,9 @@ def main(argv):
   elif "," in os.environ.get("TPU_WORKER_HOSTNAMES", ""):
     jax.distributed.initialize()  # a TPU pod slice: JAX finds its peers itself
 
-  from roformer import checkpoint, config_lib, metrics_log, train_lib, workdir
+  from roformer import config as config_lib
+  from roformer.infra import checkpoint, metrics_log, workdir
+  from roformer.train import trainer as train_lib
 
   metrics_log.quiet_library_logs()
   if jax.process_index() != 0:

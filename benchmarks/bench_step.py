@@ -9,7 +9,7 @@ BYTES_VOCAB = 261
 
 def run_config(config):
   """The frozen RunConfig of a ConfigDict, with the vocabulary size its tokenizer would have."""
-  from roformer import config_lib
+  from roformer import config as config_lib
 
   vocab = BYTES_VOCAB if config.data.tokenizer == "bytes" else config.data.vocab_size
   return config_lib.run_config_from_dict(config, vocab_size=vocab)
@@ -42,7 +42,8 @@ class JaxTrainer:
     import jax.numpy as jnp
     import numpy as np
 
-    from roformer import sharding, train_lib
+    from roformer.infra import sharding
+    from roformer.train import trainer as train_lib
 
     self.rc = rc
     mesh, rules = sharding.make_mesh(rc.mesh), sharding.axis_rules(rc.mesh)
@@ -97,7 +98,8 @@ def compile_train_step(rc, devices) -> dict:
   import jax
   import jax.numpy as jnp
 
-  from roformer import sharding, train_lib
+  from roformer.infra import sharding
+  from roformer.train import trainer as train_lib
 
   mesh = sharding.make_mesh(rc.mesh, devices=devices)
   rules = sharding.axis_rules(rc.mesh)

@@ -30,8 +30,8 @@ def _child(length: int) -> dict:
   import numpy as np
   from flax import nnx
 
-  from roformer import eval_lib
-  from roformer.model import ModelConfig, make_model
+  from roformer.evals import perplexity as eval_lib
+  from roformer.nn.model import ModelConfig, make_model
 
   cfg = ModelConfig(
     kind="decoder",

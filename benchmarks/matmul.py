@@ -56,7 +56,7 @@ def torch_gflops(size: int, dtype: str, repeats: int) -> float | None:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-  from roformer import cpu_flags
+  from roformer.infra import cpu_flags
 
   cpu_flags.set_default_cpu_flags()  # as train.py does, before JAX starts
   rows = []

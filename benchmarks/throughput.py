@@ -73,7 +73,7 @@ def flops_per_token(rc, *, head_fraction: float = 1.0) -> float:
   layer at max_predictions of the L positions (XLA's cost analysis cannot tell: it counts both
   branches of the step's lax.cond).
   """
-  from roformer import model as model_lib
+  from roformer.nn import model as model_lib
 
   m = rc.model
   D, F, V = m.emb_dim, m.mlp_dim, m.vocab_size
@@ -89,7 +89,7 @@ def flops_per_token(rc, *, head_fraction: float = 1.0) -> float:
 
 def executed_head_fraction(rc) -> float:
   """Fraction of positions the train step runs the output layer at."""
-  from roformer import train_lib
+  from roformer.train import trainer as train_lib
 
   capacity = train_lib.train_step_options(rc)["max_predictions"]
   return capacity / rc.data.seq_len if capacity else 1.0
@@ -265,10 +265,10 @@ def main(argv):
   if FLAGS.compare_hf and (missing := _hf_missing()):
     print(f"throughput.py: error: {missing}", file=sys.stderr)
     sys.exit(1)
-  from roformer import cpu_flags
+  from roformer.infra import cpu_flags
 
   cpu_flags.set_default_cpu_flags()  # as train.py does, before JAX starts
-  from roformer import config_lib
+  from roformer import config as config_lib
 
   try:
     rc = bench_step.run_config(config)

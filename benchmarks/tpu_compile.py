@@ -67,7 +67,7 @@ def topology_devices(topology: str, chip_config: str):
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-  from roformer import config_lib
+  from roformer import config as config_lib
 
   config = FLAGS.config
   try:

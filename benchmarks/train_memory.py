@@ -35,7 +35,7 @@ MIB = 1024**2
 
 def _run_config(**overrides):
   from configs import default
-  from roformer import config_lib
+  from roformer import config as config_lib
 
   config = default.get_config()
   fields = {
@@ -127,7 +127,7 @@ def main(argv):
   if unknown:
     print(f"train_memory.py: error: --tables: {unknown} not in {list(TABLES)}", file=sys.stderr)
     sys.exit(1)
-  from roformer import cpu_flags
+  from roformer.infra import cpu_flags
 
   cpu_flags.set_default_cpu_flags()  # as train.py does, before JAX starts
   for name in FLAGS.tables:

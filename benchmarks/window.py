@@ -20,7 +20,7 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from roformer.attention import chunked_attention  # noqa: E402 (after the path setup above)
+from roformer.nn.attention.kernels import chunked_attention  # noqa: E402 (after the path setup above)
 
 
 def _inputs(length, heads, head_dim):

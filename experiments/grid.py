@@ -404,7 +404,7 @@ def finished_records(runs: Sequence[Run], out: pathlib.Path) -> list[dict]:
 
 
 def _evaluate(workdir: pathlib.Path, ev: Eval) -> dict:
-  from roformer import eval_run
+  from roformer.evals import ppl_vs_length as eval_run
 
   name = f"grid_{ev.scaling}"
   existing = workdir / "eval" / f"{name}.json"
@@ -423,7 +423,7 @@ def train_to_end(name: str, config, workdir: pathlib.Path) -> dict:
   SIGTERM/SIGINT make training save a checkpoint and return early; evaluating that checkpoint
   would record a half-trained model as the run's result, so the grid exits and a rerun resumes.
   """
-  from roformer import train_lib
+  from roformer.train import trainer as train_lib
 
   last_eval = train_lib.train_and_evaluate(config, str(workdir))
   trained = max((m["step"] for m in _read_metrics(workdir) if "train_loss" in m), default=0)

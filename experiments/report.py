@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import grid
 
-from roformer import eval_plot
+from roformer.evals import plots as eval_plot
 
 
 def read_header(directory: pathlib.Path) -> tuple[str, int]:

@@ -49,7 +49,7 @@ def main():
   if source and not pathlib.Path(source).exists():
     parser.error(f"{record['run']} fine-tunes {source}, which is not on this machine")
   workdir = args.workdir or tempfile.mkdtemp(prefix=f"rerun_{record['run']}_")
-  from roformer import train_lib
+  from roformer.train import trainer as train_lib
 
   base = record["base"] if "base" in record else base_config(args.run_json.parent)
   config = grid.make_config(base, overrides)

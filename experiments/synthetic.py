@@ -178,7 +178,8 @@ def make_config(scale: Scale, task: str, encoding: str, randomized: bool, seq_le
 
 def eval_spec(scale: Scale, task: str, randomized: bool) -> dict:
   """How a run is scored: task lengths, examples per length and draws of positions."""
-  from roformer import eval_tasks, randomized_positions
+  from roformer.evals import task_vs_length as eval_tasks
+  from roformer.posenc import randomized as randomized_positions
 
   lo, hi = scale.tasks[task]
   return {
@@ -198,7 +199,7 @@ def run_config(scale: Scale, task: str, encoding: str, randomized: bool):
 
 
 def run_one(scale: Scale, task: str, encoding: str, randomized: bool, config, workdir) -> dict:
-  from roformer import eval_tasks
+  from roformer.evals import task_vs_length as eval_tasks
 
   spec = eval_spec(scale, task, randomized)
   start = time.perf_counter()
@@ -231,7 +232,7 @@ def grid_order(result: dict) -> tuple:
 
 def write_summaries(out: str, results: list[dict]) -> None:
   """results.csv, one PNG per task and table.md from every run's JSON."""
-  from roformer import task_plot
+  from roformer.evals import task_plots as task_plot
 
   with open(os.path.join(out, "results.csv"), "w", newline="") as f:
     writer = csv.writer(f)
@@ -293,8 +294,8 @@ def write_summaries(out: str, results: list[dict]) -> None:
 
 def no_lookup_baseline(lengths, examples: int = 512) -> dict:
   """Associative recall's predictor that never looks a key up, on the evaluation examples."""
-  from roformer import eval_tasks
   from roformer.data import synthetic
+  from roformer.evals import task_vs_length as eval_tasks
 
   scores = [
     synthetic.recall_without_lookup(

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from roformer import model as model_lib
+from roformer.nn import model as model_lib
 from roformer.posenc import POSENCS
 
 

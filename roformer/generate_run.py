@@ -4,9 +4,10 @@ import jax
 import numpy as np
 from etils import epath
 
-from roformer import config_lib, eval_run
+from roformer import config as config_lib
 from roformer import generate as gen
 from roformer.data.tokenizer import build_tokenizer
+from roformer.evals import ppl_vs_length as eval_run
 
 
 def generate_text(

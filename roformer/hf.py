@@ -15,8 +15,8 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import load_file as _load_numpy
 
-from roformer.model import DTYPES, ModelConfig, make_model
-from roformer.posenc_config import PosEncConfig
+from roformer.nn.model import DTYPES, ModelConfig, make_model
+from roformer.posenc.config import PosEncConfig
 
 # HF `hidden_act` -> model.activation. Only the exact (erf) GELU matches the Encoder, whose MLP and
 # MLM head both use it; HF's "gelu_new"/"gelu_fast" are tanh approximations and "relu" is not GELU.

@@ -1,4 +1,4 @@
-"""Tests of linear attention with RoPE (roformer/attention_linear.py)."""
+"""Tests of linear attention with RoPE (roformer/nn/attention/linear.py)."""
 
 import dataclasses
 
@@ -9,10 +9,10 @@ import pytest
 import variant_helpers as vh
 from flax import nnx
 
-from roformer.attention_linear import LinearAttention, feature_map
-from roformer.model import validate_model
+from roformer.nn.attention.linear import LinearAttention, feature_map
+from roformer.nn.model import validate_model
 from roformer.posenc import make_posenc
-from roformer.posenc_config import PosEncConfig, RopeScaling
+from roformer.posenc.config import PosEncConfig, RopeScaling
 
 B, L, H, G, K = 2, 13, 4, 2, 8
 

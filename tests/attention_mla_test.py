@@ -1,13 +1,13 @@
-"""Tests of multi-head latent attention (roformer/attention_mla.py)."""
+"""Tests of multi-head latent attention (roformer/nn/attention/mla.py)."""
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import variant_helpers as vh
 
-from roformer import kv_cache
+from roformer.nn.attention import kv_cache
+from roformer.posenc.config import RopeScaling
 from roformer.posenc.rope_scaling import mla_softmax_factor
-from roformer.posenc_config import RopeScaling
 
 MLA = dict(attention="mla", num_kv_heads=0, kv_lora_rank=6, qk_rope_head_dim=4)
 
@@ -56,7 +56,7 @@ def test_yarn_softmax_factor_is_deepseeks_mscale_squared():
 
 
 def test_mla_config_errors_name_the_fields():
-  from roformer.model import validate_model
+  from roformer.nn.model import validate_model
 
   with pytest.raises(ValueError, match="model.kv_lora_rank"):
     validate_model(vh.config(attention="mla", num_kv_heads=0))

@@ -1,4 +1,4 @@
-"""Tests for roformer/attention.py: kernels agree with each other and with a naive reference."""
+"""roformer/nn/attention/kernels.py: kernels agree with each other and with a naive reference."""
 
 import jax
 import jax.numpy as jnp
@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from roformer import attention
+from roformer.nn.attention import kernels as attention
 from roformer.posenc import POSENCS, make_posenc
-from roformer.posenc_config import POSENC_KINDS, PosEncConfig, RopeScaling
+from roformer.posenc.config import POSENC_KINDS, PosEncConfig, RopeScaling
 
 B, L, H, G, K = 2, 37, 4, 2, 8  # L is not a multiple of BLOCK
 BLOCK = 8

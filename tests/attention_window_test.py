@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import variant_helpers as vh
 
-from roformer import attention, attention_window
-from roformer.model import layer_windows, validate_model
+from roformer.nn.attention import banded as attention_window
+from roformer.nn.attention import kernels as attention
+from roformer.nn.model import layer_windows, validate_model
 
 B, L, H, G = 2, 29, 4, 2  # L is not a multiple of the block
 

@@ -11,7 +11,9 @@ import pytest
 from flax import nnx
 
 from configs import default
-from roformer import checkpoint, config_lib, sharding, train_lib
+from roformer import config as config_lib
+from roformer.infra import checkpoint, sharding
+from roformer.train import trainer as train_lib
 
 
 def _tiny_run_config():

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 from configs import default
-from roformer import config_lib
-from roformer.config_lib import ConfigError
+from roformer import config as config_lib
+from roformer.config import ConfigError
 from roformer.data.config import DataConfig
-from roformer.model import ModelConfig
-from roformer.posenc_config import PosEncConfig, RopeScaling
+from roformer.nn.model import ModelConfig
+from roformer.posenc.config import PosEncConfig, RopeScaling
 
 REPO = Path(__file__).resolve().parent.parent
 

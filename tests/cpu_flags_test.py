@@ -1,10 +1,10 @@
-"""roformer/cpu_flags.py: default XLA:CPU flags only on CPU and only when the user set none."""
+"""roformer/infra/cpu_flags.py: default XLA:CPU flags only on CPU, only when the user set none."""
 
 import os
 
 import pytest
 
-from roformer import cpu_flags
+from roformer.infra import cpu_flags
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from roformer import data
-from roformer.data import local_files, pystdlib
+from roformer.data.sources import local_files, pystdlib
 from roformer.data.tokenizer import ByteTokenizer
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "data"

@@ -7,8 +7,8 @@ import pytest
 
 from roformer.data import synthetic
 from roformer.data.config import DataConfig
-from roformer.data.errors import DataError
 from roformer.data.tokenizer import ByteTokenizer
+from roformer.errors import DataError
 
 TOK = ByteTokenizer()
 

@@ -11,8 +11,10 @@ import pytest
 from flax import nnx
 
 from configs import default
-from roformer import checkpoint, config_lib, eval_run
-from roformer.model import make_model
+from roformer import config as config_lib
+from roformer.evals import ppl_vs_length as eval_run
+from roformer.infra import checkpoint
+from roformer.nn.model import make_model
 
 REPO = Path(__file__).resolve().parent.parent
 SEQ_LEN = 32
@@ -338,7 +340,7 @@ def test_eval_cli_bad_flag_combinations_exit_with_one_line(rope_run, args, expec
 
 
 def test_plot_says_log_scale_and_which_windows_the_position_panel_shows(tmp_path, monkeypatch):
-  from roformer import eval_plot
+  from roformer.evals import plots as eval_plot
 
   figures = []
   monkeypatch.setattr(eval_plot.plt, "close", figures.append)
@@ -358,21 +360,21 @@ def test_plot_says_log_scale_and_which_windows_the_position_panel_shows(tmp_path
 @pytest.mark.parametrize(
   "script, patched, args",
   [
-    ("eval", "eval_run.evaluate_workdir", ["--workdir=DIR"]),
-    ("generate", "generate_run.generate_text", ["--workdir=DIR", "--prompt=x"]),
+    ("eval", "roformer.evals.ppl_vs_length:evaluate_workdir", ["--workdir=DIR"]),
+    ("generate", "roformer.generate_run:generate_text", ["--workdir=DIR", "--prompt=x"]),
   ],
 )
 def test_ctrl_c_is_one_line_and_exit_130(script, patched, args):
-  module, function = patched.split(".")
+  module, function = patched.split(":")
   code = (
     "import sys\n"
     "from absl import app\n"
     f"sys.argv = ['{script}.py', *{args!r}]\n"
     f"import {script} as cli\n"
-    f"from roformer import {module}\n"
+    f"import {module} as patched\n"
     "def interrupted(*args, **kwargs):\n"
     "  raise KeyboardInterrupt\n"
-    f"{module}.{function} = interrupted\n"
+    f"patched.{function} = interrupted\n"
     "app.run(cli.main)\n"
   )
   proc = subprocess.run(

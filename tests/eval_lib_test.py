@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from roformer import eval_lib
 from roformer.data import ByteTokenizer
-from roformer.model import ModelConfig, make_model
+from roformer.evals import perplexity as eval_lib
+from roformer.nn.model import ModelConfig, make_model
 
 VOCAB = ByteTokenizer.vocab_size
 

@@ -8,8 +8,9 @@ import sys
 import numpy as np
 import pytest
 
-from roformer import eval_tasks, task_plot
 from roformer.data import synthetic
+from roformer.evals import task_plots as task_plot
+from roformer.evals import task_vs_length as eval_tasks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -198,7 +199,7 @@ def test_new_encodings_train_by_config_and_evaluate_at_8x(tmp_path, posenc):
 
 def test_task_evaluation_refuses_a_perplexity_run(tmp_path):
   from configs import default
-  from roformer import config_lib
+  from roformer import config as config_lib
 
   config_lib.write_config_json(tmp_path, config_lib.run_config_from_dict(default.get_config()))
   with pytest.raises(ValueError, match="trained with data.source='pystdlib'"):

@@ -107,7 +107,7 @@ def test_grid_run_piecewise_with_only_reports_every_finished_run(tmp_path):
 
 def _fake_training(monkeypatch, last_step):
   """train_and_evaluate replaced by one that logs training up to `last_step`, as a signal would."""
-  from roformer import train_lib
+  from roformer.train import trainer as train_lib
 
   def train_and_evaluate(config, workdir):
     os.makedirs(workdir, exist_ok=True)
@@ -130,7 +130,8 @@ def test_a_run_stopped_before_its_last_step_ends_the_grid_instead_of_being_score
   config = synthetic.run_config(scale, "copy", "rope", False)
   evaluated = []
   monkeypatch.setattr(
-    "roformer.eval_tasks.evaluate_tasks", lambda *a, **k: evaluated.append(a) or ({}, None)
+    "roformer.evals.task_vs_length.evaluate_tasks",
+    lambda *a, **k: evaluated.append(a) or ({}, None),
   )
   _fake_training(monkeypatch, last_step=steps - 1)
   with pytest.raises(SystemExit, match=f"copy/rope stopped at step {steps - 1}"):

@@ -11,11 +11,17 @@ import pytest
 from flax import nnx
 
 from configs import default
-from roformer import attention, config_lib, data, eval_lib, eval_plot, eval_run, train_lib
-from roformer.model import ModelConfig, make_model, resolve_embed_scale, validate_model
+from roformer import config as config_lib
+from roformer import data
+from roformer.evals import perplexity as eval_lib
+from roformer.evals import plots as eval_plot
+from roformer.evals import ppl_vs_length as eval_run
+from roformer.nn.attention import kernels as attention
+from roformer.nn.model import ModelConfig, make_model, resolve_embed_scale, validate_model
 from roformer.posenc import POSENCS, sinusoidal_embedding
+from roformer.posenc.config import PosEncConfig
 from roformer.posenc.rope import xpos_max_span
-from roformer.posenc_config import PosEncConfig
+from roformer.train import trainer as train_lib
 
 D = 64
 

@@ -10,10 +10,11 @@ import pytest
 from flax import nnx
 
 from configs import default
-from roformer import checkpoint, config_lib
+from roformer import config as config_lib
 from roformer import generate as gen
 from roformer.data.tokenizer import ByteTokenizer
-from roformer.model import make_model
+from roformer.infra import checkpoint
+from roformer.nn.model import make_model
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -7,8 +7,8 @@ import pytest
 import variant_helpers as vh
 
 from roformer import generate as gen
-from roformer import kv_cache
-from roformer.posenc_config import RopeScaling
+from roformer.nn.attention import kv_cache
+from roformer.posenc.config import RopeScaling
 
 P, N = vh.P, vh.N
 

@@ -13,8 +13,8 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from roformer import hf
-from roformer.model import Encoder
-from roformer.posenc_config import PosEncConfig
+from roformer.nn.model import Encoder
+from roformer.posenc.config import PosEncConfig
 
 FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "hf_roformer_tiny"
 TOL = 1e-4

@@ -4,7 +4,7 @@ import json
 import re
 from pathlib import Path
 
-from roformer import metrics_log
+from roformer.infra import metrics_log
 
 REPO = Path(__file__).resolve().parent.parent
 

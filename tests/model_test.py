@@ -1,4 +1,4 @@
-"""Tests for roformer/model.py: structure, invariances, causality, packing, errors, dtypes."""
+"""Tests for roformer/nn/model.py: structure, invariances, causality, packing, errors, dtypes."""
 
 import dataclasses
 
@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from roformer.model import Decoder, Encoder, ModelConfig, make_model, validate_model
+from roformer.nn.model import Decoder, Encoder, ModelConfig, make_model, validate_model
 from roformer.posenc import POSENCS
-from roformer.posenc_config import POSENC_KINDS, PosEncConfig
+from roformer.posenc.config import POSENC_KINDS, PosEncConfig
 
 V = 64
 SMALL = ModelConfig(

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from roformer import attention, posenc
-from roformer.posenc_config import PosEncConfig
+from roformer import posenc
+from roformer.nn.attention import kernels as attention
+from roformer.posenc.config import PosEncConfig
 
 
 def make(kind, *, num_heads=2, head_dim=4, emb_dim=8, causal=True, **fields):
@@ -250,7 +251,7 @@ def test_cope_and_fire_have_their_parameters_in_every_layer_unless_shared(
   # layer unless --cope-shared; FIRE, with FIRE-S its layer-shared variant).
   import dataclasses
 
-  from roformer.model import ModelConfig, make_model
+  from roformer.nn.model import ModelConfig, make_model
 
   cfg = ModelConfig(
     kind="decoder", num_layers=3, emb_dim=16, num_heads=2, mlp_dim=32, attention_impl="dense",
@@ -282,7 +283,7 @@ def test_cope_and_fire_have_their_parameters_in_every_layer_unless_shared(
 
 def test_per_layer_encodings_give_layers_different_biases():
   # A per-layer FIRE draws each layer's MLP from that layer's keys: layers differ.
-  from roformer.model import ModelConfig, make_model
+  from roformer.nn.model import ModelConfig, make_model
 
   cfg = ModelConfig(
     kind="decoder", num_layers=2, emb_dim=16, num_heads=2, mlp_dim=32, attention_impl="dense",

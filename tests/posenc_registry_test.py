@@ -6,7 +6,7 @@ import pytest
 from posenc_test import make
 
 from roformer import posenc
-from roformer.posenc_config import POSENC_KINDS, PosEncConfig, RopeScaling
+from roformer.posenc.config import POSENC_KINDS, PosEncConfig, RopeScaling
 
 
 def test_registry_covers_every_config_kind():
@@ -80,7 +80,7 @@ def test_validate_posenc_leaves_original_len_to_the_config_loader():
 def test_messages_that_list_encodings_list_every_one_that_qualifies():
   # Derived from the registry: a kind added later appears without editing the message.
   from roformer import posenc
-  from roformer.posenc_config import PosEncConfig
+  from roformer.posenc.config import PosEncConfig
 
   with pytest.raises(ValueError) as refused:
     posenc.validate_posenc(PosEncConfig(kind="cope"), causal=False, head_dim=4)

@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from roformer import posenc
-from roformer.posenc_config import PosEncConfig, RopeScaling
+from roformer.posenc.config import PosEncConfig, RopeScaling
 
 DYNAMIC = dict(scaling=RopeScaling(kind="dynamic", factor=4.0, original_max_len=8))
 

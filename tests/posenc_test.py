@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from roformer import posenc
-from roformer.posenc_config import POSENC_KINDS, PosEncConfig, RopeScaling
+from roformer.posenc.config import POSENC_KINDS, PosEncConfig, RopeScaling
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 with open(os.path.join(FIXTURES, "rope_hf.json")) as _f:

@@ -1,8 +1,8 @@
-"""roformer/prefetch.py: batches in order, errors at their step, early stop."""
+"""roformer/infra/prefetch.py: batches in order, errors at their step, early stop."""
 
 import pytest
 
-from roformer import prefetch
+from roformer.infra import prefetch
 
 
 def test_prefetcher_yields_every_step_in_order():

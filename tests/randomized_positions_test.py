@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from roformer import randomized_positions as rp
+from roformer.posenc import randomized as rp
 
 
 def _draw(positions, segment_ids=None, *, step=0, seed=0, max_position=64):
@@ -96,7 +96,7 @@ def test_a_range_shorter_than_the_sequence_is_refused():
 
 def test_config_refuses_a_range_shorter_than_the_training_length():
   from configs import default
-  from roformer import config_lib
+  from roformer import config as config_lib
 
   config = default.get_config()
   config.posenc.randomize_max = 100  # data.seq_len is 512

@@ -10,8 +10,8 @@ import pytest
 import train_helpers
 from jax.sharding import PartitionSpec as P
 
-from roformer import sharding
-from roformer.config_lib import ConfigError, MeshConfig
+from roformer.config import ConfigError, MeshConfig
+from roformer.infra import sharding
 
 RULES = MeshConfig().rules
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import train_helpers
 
-from roformer import config_lib
+from roformer import config as config_lib
 
 # A few steps, one checkpoint and one evaluation at the end.
 SHORT = {

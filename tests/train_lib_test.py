@@ -13,9 +13,11 @@ import pytest
 import train_helpers
 from flax import nnx
 
-from roformer import checkpoint, config_lib, sharding, train_lib
-from roformer.config_lib import OptimConfig
-from roformer.model import ModelConfig, make_model
+from roformer import config as config_lib
+from roformer.config import OptimConfig
+from roformer.infra import checkpoint, sharding
+from roformer.nn.model import ModelConfig, make_model
+from roformer.train import trainer as train_lib
 
 # ---- Optimizer ----
 
@@ -174,7 +176,7 @@ def _one_step(model, batch, **options):
 def test_kerple_parameters_below_the_clamp_are_clamped_and_keep_training():
   # The paper's code clamps r1, r2 >= 0.01 in place before every forward pass; the train step
   # does so after every update, so a parameter pushed below 0.01 sits at 0.01, still trainable.
-  from roformer.posenc_config import PosEncConfig
+  from roformer.posenc.config import PosEncConfig
 
   cfg = ModelConfig(
     num_layers=1, emb_dim=16, num_heads=2, mlp_dim=32, attention_impl="dense",
@@ -190,7 +192,7 @@ def test_kerple_parameters_below_the_clamp_are_clamped_and_keep_training():
 def test_randomized_training_positions_are_drawn_per_example(monkeypatch):
   # The train step hands the batch's segment ids to the draw, so a short example padded to the
   # row takes a subset of [0, N) of its own length (the padding is a document of its own).
-  from roformer import randomized_positions as rp
+  from roformer.posenc import randomized as rp
 
   seen = {}
 

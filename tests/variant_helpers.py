@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from roformer.model import ModelConfig, make_model
-from roformer.posenc_config import PosEncConfig
+from roformer.nn.model import ModelConfig, make_model
+from roformer.posenc.config import PosEncConfig
 
 V = 32
 TINY = ModelConfig(

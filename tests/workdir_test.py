@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from roformer import workdir
+from roformer.infra import workdir
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -50,7 +50,7 @@ def test_lock_of_a_killed_holder_is_free_without_cleanup(tmp_path):
     [
       sys.executable,
       "-c",
-      "import sys, time; from roformer import workdir; lock = workdir.WorkdirLock(sys.argv[1]);"
+      "import sys, time; from roformer.infra import workdir; lock = workdir.WorkdirLock(sys.argv[1]);"
       " lock.acquire(); print('locked', flush=True); time.sleep(600)",
       str(tmp_path),
     ],

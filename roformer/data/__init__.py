@@ -3,11 +3,11 @@
 from roformer.data.batches import MODEL_KINDS, TrainBatches
 from roformer.data.config import SOURCES, TOKENIZERS, DataConfig
 from roformer.data.corpus import Corpus, load_corpus
-from roformer.data.errors import DataError
 from roformer.data.masking import max_predictions, mlm_mask
 from roformer.data.sources import SPLITS, Source, make_source
 from roformer.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, build_tokenizer
 from roformer.data.windows import PROTOCOLS, EvalWindows, eval_windows, right_context
+from roformer.errors import DataError
 
 __all__ = [
   "MODEL_KINDS",

@@ -14,9 +14,9 @@ import numpy as np
 
 from roformer.data.config import DataConfig
 from roformer.data.corpus import Corpus
-from roformer.data.errors import DataError
 from roformer.data.masking import mlm_mask
 from roformer.data.packing import gather_rows, plan_packing
+from roformer.errors import DataError
 
 MODEL_KINDS = ("decoder", "encoder")
 # First entries of the seed sequences, so window order and masking draw independent streams.

@@ -15,9 +15,9 @@ import numpy as np
 
 from roformer.data.cache import TokenCache, cache_key
 from roformer.data.config import DataConfig
-from roformer.data.errors import DataError
 from roformer.data.sources import Source, cache_root, make_source
 from roformer.data.tokenizer import Tokenizer, build_tokenizer
+from roformer.errors import DataError
 
 log = logging.getLogger(__name__)
 

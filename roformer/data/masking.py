@@ -6,8 +6,8 @@ import math
 
 import numpy as np
 
-from roformer.data.errors import DataError
 from roformer.data.tokenizer import Tokenizer
+from roformer.errors import DataError
 
 # Of the selected positions: 80% become [MASK], 10% a random regular token, 10% stay (BERT).
 MASK_FRACTION = 0.8

@@ -2,8 +2,8 @@
 
 Every example is a token sequence with some tokens marked as the answer; a decoder is trained on
 next-token prediction with weight 1 on answer targets only, and scored by whether it predicts the
-answer (roformer/eval_tasks.py). Tokens are bytes of the `bytes` tokenizer, so examples read as
-text. The task length n (`data.task_min_len`..`data.task_max_len` in training, any n at
+answer (roformer/evals/task_vs_length.py). Tokens are bytes of the `bytes` tokenizer, so
+examples read as text. The task length n (`data.task_min_len`..`data.task_max_len` in training, any n at
 evaluation) counts:
 
   copy, reverse, sort    n symbols of a-z, A-Z, 0-9, then '>', then the symbols copied /
@@ -35,8 +35,8 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from roformer.data.config import DataConfig
-from roformer.data.errors import DataError
 from roformer.data.tokenizer import ByteTokenizer
+from roformer.errors import DataError
 
 TASKS = ("copy", "reverse", "sort", "addition", "associative_recall", "passkey")
 # Seed-sequence streams: training rows, and the fixed validation / test streams.

@@ -22,7 +22,7 @@ from etils import epath
 from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
 
 from roformer.data.config import TOKENIZERS, DataConfig
-from roformer.data.errors import DataError
+from roformer.errors import DataError
 
 if TYPE_CHECKING:
   from roformer.data.sources import Source

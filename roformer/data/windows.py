@@ -12,7 +12,7 @@ import logging
 
 import numpy as np
 
-from roformer.data.errors import DataError
+from roformer.errors import DataError
 
 log = logging.getLogger(__name__)
 

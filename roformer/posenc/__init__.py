@@ -9,6 +9,7 @@ from flax import nnx
 
 from roformer.posenc.absolute import Learned, Sinusoidal, sinusoidal_embedding
 from roformer.posenc.base import NoPE, PosEnc
+from roformer.posenc.config import ROPE_LAYOUTS, SCALING_KINDS, PosEncConfig
 from roformer.posenc.cope import Cope
 from roformer.posenc.fire import Fire
 from roformer.posenc.kerple import Kerple
@@ -23,7 +24,6 @@ from roformer.posenc.rope import (
 )
 from roformer.posenc.rope_scaling import check_scaling, rope_frequencies
 from roformer.posenc.sandwich import Sandwich
-from roformer.posenc_config import ROPE_LAYOUTS, SCALING_KINDS, PosEncConfig
 
 POSENCS: dict[str, type[PosEnc]] = {
   "rope": Rope,

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from roformer.posenc.base import PosEnc, check_positions
-from roformer.posenc_config import PosEncConfig
+from roformer.posenc.config import PosEncConfig
 
 EXTRAPOLATING_KINDS = ("rope", "alibi", "t5", "xpos", "nope")
 

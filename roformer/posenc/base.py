@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from roformer.posenc_config import PosEncConfig
+from roformer.posenc.config import PosEncConfig
 
 
 class PosEnc(nnx.Module):

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from roformer.posenc.base import PosEnc
-from roformer.posenc_config import PosEncConfig
+from roformer.posenc.config import PosEncConfig
 
 
 def cope_positions(q_BLHK, k_BSGK, mask_BLS):

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from roformer.posenc.base import PosEnc, check_positions
-from roformer.posenc_config import PosEncConfig
+from roformer.posenc.config import PosEncConfig
 
 FIRE_EPS = 1e-6  # keeps the normaliser's log away from 0 (the paper's code)
 

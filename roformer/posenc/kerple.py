@@ -5,7 +5,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from roformer.posenc.base import PosEnc, check_positions
-from roformer.posenc_config import PosEncConfig
+from roformer.posenc.config import PosEncConfig
 
 # The paper's code clamps r1 and r2 to at least this, in place, before every forward pass, and
 # trains the clamped values. Here the forward pass reads max(r, EPS) with the gradient of r (a

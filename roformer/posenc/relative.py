@@ -12,7 +12,7 @@ import numpy as np
 from flax import nnx
 
 from roformer.posenc.base import PosEnc, check_positions
-from roformer.posenc_config import PosEncConfig
+from roformer.posenc.config import PosEncConfig
 
 
 def alibi_slopes(num_heads: int) -> jax.Array:

@@ -13,9 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from roformer.posenc.base import PosEnc, check_positions
+from roformer.posenc.config import PosEncConfig
 from roformer.posenc.prope import truncate_frequencies
 from roformer.posenc.rope_scaling import check_scaling, rope_frequencies
-from roformer.posenc_config import PosEncConfig
 
 
 def rotary_dims(head_dim: int, rope_fraction: float) -> int:

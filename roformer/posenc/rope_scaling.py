@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from roformer.posenc_config import SCALING_KINDS, RopeScaling
+from roformer.posenc.config import SCALING_KINDS, RopeScaling
 
 _DEFAULTS = dataclasses.asdict(RopeScaling())
 # Kinds whose formula needs the pretraining length L0 (posenc.scaling.original_max_len).

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from roformer.posenc.base import PosEnc, check_positions
-from roformer.posenc_config import PosEncConfig
+from roformer.posenc.config import PosEncConfig
 
 
 def sandwich_bias(qpos_BL, kpos_BS, *, dim: int, num_heads: int):

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from roformer.config_lib import OptimConfig
+from roformer.config import OptimConfig
 
 
 def make_schedule(optim: OptimConfig, num_train_steps: int) -> optax.Schedule:

@@ -12,14 +12,18 @@ import numpy as np
 from etils import epath
 from flax import nnx
 
-from roformer import checkpoint, config_lib, eval_lib, eval_plot, randomized_positions
+from roformer import config as config_lib
 from roformer import data as data_lib
-from roformer import model as model_lib
-from roformer import workdir as workdir_lib
-from roformer.eval_lib import PROTOCOLS
-from roformer.eval_plot import DEFAULT_NAME
+from roformer.evals import perplexity as eval_lib
+from roformer.evals import plots as eval_plot
+from roformer.evals.perplexity import PROTOCOLS
+from roformer.evals.plots import DEFAULT_NAME
+from roformer.infra import checkpoint
+from roformer.infra import workdir as workdir_lib
+from roformer.nn import model as model_lib
 from roformer.posenc import POSENCS
-from roformer.posenc_config import SCALING_KINDS, RopeScaling
+from roformer.posenc import randomized as randomized_positions
+from roformer.posenc.config import SCALING_KINDS, RopeScaling
 
 # Positions kept in the JSON's per-position curve; longer windows are averaged over equal bins.
 MAX_POSITION_POINTS = 256

@@ -1,6 +1,6 @@
 """The training loop's state and its periodic actions: finish a step, log, evaluate, save, stop.
 
-roformer/train_lib.py sets the run up and drives the loop; each action here is one function of
+roformer/train/trainer.py sets the run up and drives the loop; each action here is one function of
 the shared `Loop` state, so the loop itself reads as one flat sequence of steps.
 """
 
@@ -14,12 +14,11 @@ from absl import logging
 from etils import epath
 from flax import nnx
 
-from roformer import checkpoint, config_lib, eval_lib, metrics_log
-from roformer.config_lib import RunConfig
-
-
-class NonFiniteLossError(RuntimeError):
-  """Training produced a NaN or infinite loss or gradient."""
+from roformer import config as config_lib
+from roformer.config import RunConfig
+from roformer.errors import NonFiniteLossError
+from roformer.evals import perplexity as eval_lib
+from roformer.infra import checkpoint, metrics_log
 
 
 @dataclasses.dataclass

@@ -15,7 +15,7 @@ import numpy as np
 from flax import nnx
 
 from roformer import data as data_lib
-from roformer import randomized_positions
+from roformer.posenc import randomized as randomized_positions
 
 MODEL_KINDS = ("decoder", "encoder")
 PROTOCOLS = ("nonoverlapping", "sliding")

@@ -1,7 +1,7 @@
 """Training: optimizer, the jitted train step, and the loop (evaluation, checkpoints, metrics).
 
 Entry point: `train_and_evaluate(config, workdir)` (train.py is a thin CLI over it). The loop's
-periodic actions (log, evaluate, save, stop) live in roformer/train_loop.py.
+periodic actions (log, evaluate, save, stop) live in roformer/train/loop.py.
 """
 
 import contextlib
@@ -18,26 +18,18 @@ from absl import logging
 from etils import epath
 from flax import nnx
 
-from roformer import (
-  checkpoint,
-  config_lib,
-  metrics_log,
-  prefetch,
-  randomized_positions,
-  sharding,
-  train_loop,
-)
+from roformer import config as config_lib
 from roformer import data as data_lib
-from roformer import model as model_lib
-from roformer import workdir as workdir_lib
-from roformer.config_lib import ConfigError, RunConfig
-from roformer.optimizer import decay_mask as decay_mask
-from roformer.optimizer import make_optimizer, make_schedule
+from roformer.config import ConfigError, RunConfig
+from roformer.infra import checkpoint, metrics_log, prefetch, sharding
+from roformer.infra import workdir as workdir_lib
+from roformer.nn import model as model_lib
 from roformer.posenc import POSENCS, PosEnc
-from roformer.train_loop import (
-  NonFiniteLossError,  # noqa: F401  (raised by train_and_evaluate)
-  Setup,
-)
+from roformer.posenc import randomized as randomized_positions
+from roformer.train import loop as train_loop
+from roformer.train.loop import Setup
+from roformer.train.optimizer import decay_mask as decay_mask
+from roformer.train.optimizer import make_optimizer, make_schedule
 
 # ---- Step functions ----
 

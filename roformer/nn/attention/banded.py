@@ -9,7 +9,7 @@ shifted evaluation windows); then a key more than w - 1 indices away is more tha
 positions away, or in another segment, and masked anyway. Inside the visited blocks the mask of
 `attention_mask` decides exactly, so the result equals the dense kernel's.
 
-Dimension legend as roformer/attention.py; b is the block, N the number of key blocks visited.
+Dimension legend as kernels.py; b is the block, N the number of key blocks visited.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from roformer import attention as attn
+from roformer.nn.attention import kernels as attn
 
 
 def visited_blocks(length: int, block: int, window: int, causal: bool) -> int:

@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 
 from roformer.data import sources
 from roformer.data.config import DataConfig
-from roformer.data.errors import DataError
+from roformer.errors import DataError
 
 log = logging.getLogger(__name__)
 

@@ -18,15 +18,13 @@ from absl import logging
 from etils import epath
 from flax import nnx
 
-from roformer import config_lib, sharding
-from roformer import model as model_lib
-from roformer.config_lib import ConfigError, RunConfig
+from roformer import config as config_lib
+from roformer.config import ConfigError, RunConfig
+from roformer.errors import CheckpointNotFoundError
+from roformer.infra import sharding
+from roformer.nn import model as model_lib
 
 CHECKPOINT_DIR = "checkpoints"
-
-
-class CheckpointNotFoundError(FileNotFoundError):
-  """The workdir has no (finished) checkpoint."""
 
 
 def checkpoint_dir(workdir: str | epath.Path) -> epath.Path:

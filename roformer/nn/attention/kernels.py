@@ -247,7 +247,9 @@ def chunked_attention(
   B, L, H, K = q_BLHK.shape
   S, G = k_BSGK.shape[1:3]
   if window > 0 and not global_tokens and S == L:
-    from roformer import attention_window  # it builds on this module's pieces
+    from roformer.nn.attention import (
+      banded as attention_window,  # it builds on this module's pieces
+    )
 
     if attention_window.visited_blocks(L, block, window, causal) < -(-L // min(block, L)):
       return attention_window.banded_attention(

@@ -14,7 +14,7 @@ import datasets
 import pyarrow.compute as pc
 
 from roformer.data.config import SOURCES, DataConfig
-from roformer.data.errors import DataError
+from roformer.errors import DataError
 
 SPLITS = ("train", "validation", "test")
 
@@ -46,7 +46,7 @@ class Source(abc.ABC):
 
 def make_source(cfg: DataConfig) -> Source:
   """The source of `cfg.source`; cheap checks (globs, fields) run here, loading is lazy."""
-  from roformer.data import hub, local_files, pystdlib  # local: they import this module
+  from roformer.data.sources import hub, local_files, pystdlib  # local: they import this module
 
   cache_dir = os.path.join(cache_root(cfg), "datasets")
   if cfg.source == "pystdlib":

@@ -13,7 +13,7 @@ matplotlib.use("Agg")  # headless: eval runs on servers and TPU VMs
 import matplotlib.pyplot as plt  # noqa: E402
 from etils import epath  # noqa: E402
 
-from roformer import eval_plot  # noqa: E402
+from roformer.evals import plots as eval_plot  # noqa: E402
 
 # NAME of DIR/eval/NAME.json and .png written by `eval.py --task_lengths`.
 DEFAULT_NAME = "task_vs_length"

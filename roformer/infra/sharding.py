@@ -15,7 +15,7 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from roformer.config_lib import MESH_AXES, ConfigError, MeshConfig
+from roformer.config import MESH_AXES, ConfigError, MeshConfig
 
 
 def mesh_shape(mesh_cfg: MeshConfig, num_devices: int) -> tuple[int, int, int]:

@@ -24,8 +24,8 @@ from typing import NamedTuple
 import jax.numpy as jnp
 from flax import nnx
 
-from roformer import kv_cache
-from roformer.attention import KERNELS, _kernel_init, dense_attention
+from roformer.nn.attention import kv_cache
+from roformer.nn.attention.kernels import KERNELS, _kernel_init, dense_attention
 from roformer.posenc.rope_scaling import mla_softmax_factor
 
 

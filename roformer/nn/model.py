@@ -11,16 +11,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from roformer.attention import KERNELS, WINDOW_KINDS
-from roformer.attention import dropout as _dropout
-from roformer.attention_kinds import ATTENTIONS, make_attention
-from roformer.layers import DTYPES
-from roformer.layers import embed as _embed
-from roformer.layers import linear as _linear
-from roformer.layers import norm as _norm
+from roformer.nn.attention.kernels import KERNELS, WINDOW_KINDS
+from roformer.nn.attention.kernels import dropout as _dropout
+from roformer.nn.attention.kinds import ATTENTIONS, make_attention
+from roformer.nn.layers import DTYPES
+from roformer.nn.layers import embed as _embed
+from roformer.nn.layers import linear as _linear
+from roformer.nn.layers import norm as _norm
+from roformer.nn.seqwise import fold, seqwise
 from roformer.posenc import POSENCS, PosEnc, make_posenc, validate_posenc
-from roformer.posenc_config import PosEncConfig
-from roformer.seqwise import fold, seqwise
+from roformer.posenc.config import PosEncConfig
 
 ACTIVATIONS = ("gelu", "swiglu")
 NORMS = ("layernorm", "rmsnorm")

@@ -27,9 +27,12 @@ import numpy as np
 from etils import epath
 from flax import nnx
 
-from roformer import config_lib, eval_run, randomized_positions, task_plot
+from roformer import config as config_lib
 from roformer.data import synthetic
 from roformer.data.tokenizer import ByteTokenizer
+from roformer.evals import ppl_vs_length as eval_run
+from roformer.evals import task_plots as task_plot
+from roformer.posenc import randomized as randomized_positions
 
 DEFAULT_NAME = task_plot.DEFAULT_NAME
 PASSKEY_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)

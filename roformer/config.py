@@ -13,11 +13,12 @@ from typing import Any
 
 from etils import epath
 
-from roformer import model as model_lib
 from roformer.data import synthetic
 from roformer.data.config import SOURCE_FIELDS, SOURCES, TOKENIZERS, DataConfig
-from roformer.model import ModelConfig
-from roformer.posenc_config import PosEncConfig, RopeScaling
+from roformer.errors import ConfigError
+from roformer.nn import model as model_lib
+from roformer.nn.model import ModelConfig
+from roformer.posenc.config import PosEncConfig, RopeScaling
 
 SCHEDULES = ("cosine", "linear", "constant")
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -29,10 +30,6 @@ RESUMABLE_FIELDS = (
   "train.checkpoint_every_steps",
 )
 CONFIG_FILE = "config.json"
-
-
-class ConfigError(ValueError):
-  """A configuration value is missing, misspelt, of the wrong type or out of range."""
 
 
 @dataclasses.dataclass(frozen=True)

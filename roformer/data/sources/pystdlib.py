@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import datasets
 
 from roformer.data import sources
-from roformer.data.errors import DataError
+from roformer.errors import DataError
 
 log = logging.getLogger(__name__)
 

@@ -14,11 +14,9 @@ import socket
 from absl import logging
 from etils import epath
 
+from roformer.errors import WorkdirError
+
 LOCK_FILE = ".lock"
-
-
-class WorkdirError(ValueError):
-  """The workdir is empty, cannot be created or written, or another run holds it."""
 
 
 def is_remote(path: str | epath.Path) -> bool:

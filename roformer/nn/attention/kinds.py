@@ -18,10 +18,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
-from roformer import kv_cache
-from roformer.attention import KERNELS, Attention, dense_attention
-from roformer.attention_linear import LinearAttention
-from roformer.attention_mla import MLAttention
+from roformer.nn.attention import kv_cache
+from roformer.nn.attention.kernels import KERNELS, Attention, dense_attention
+from roformer.nn.attention.linear import LinearAttention
+from roformer.nn.attention.mla import MLAttention
 
 
 class SoftmaxAttention(Attention):
