@@ -3,8 +3,8 @@
 Every example is a token sequence with some tokens marked as the answer; a decoder is trained on
 next-token prediction with weight 1 on answer targets only, and scored by whether it predicts the
 answer (roformer/evals/task_vs_length.py). Tokens are bytes of the `bytes` tokenizer, so
-examples read as text. The task length n (`data.task_min_len`..`data.task_max_len` in training, any n at
-evaluation) counts:
+examples read as text. The task length n (`data.task_min_len`..`data.task_max_len` in training,
+any n at evaluation) counts:
 
   copy, reverse, sort    n symbols of a-z, A-Z, 0-9, then '>', then the symbols copied /
                          reversed / sorted (byte order)
