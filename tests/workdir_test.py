@@ -51,7 +51,8 @@ def test_lock_of_a_killed_holder_is_free_without_cleanup(tmp_path):
       sys.executable,
       "-c",
       "import sys, time; from roformer.infra import workdir;"
-      " lock = workdir.WorkdirLock(sys.argv[1]); lock.acquire(); print('locked', flush=True); time.sleep(600)",
+      " lock = workdir.WorkdirLock(sys.argv[1]); lock.acquire();"
+      " print('locked', flush=True); time.sleep(600)",
       str(tmp_path),
     ],
     env=dict(os.environ, PYTHONPATH=str(REPO)),
