@@ -1,6 +1,6 @@
 """Continues a prompt with a trained decoder run, printing the continuation.
 
-This file is intentionally kept short; the logic lives in roformer/generate.py and generate_run.py.
+The logic lives in roformer/generate.py.
 
   python generate.py --workdir=DIR --prompt="def main(" [--max_new_tokens=64 --temperature=0.8
     --top_k=40 --top_p=0.95 --seed=0 --rope_scaling=KIND --rope_factor=F]
@@ -30,9 +30,9 @@ def main(argv):
   try:
     if not FLAGS.workdir or FLAGS.prompt is None:
       raise ValueError("give --workdir=DIR and --prompt=TEXT")
-    from roformer import generate_run
+    from roformer import generate
 
-    text = generate_run.generate_text(
+    text = generate.generate_text(
       FLAGS.workdir,
       FLAGS.prompt,
       max_new_tokens=FLAGS.max_new_tokens,

@@ -16,12 +16,12 @@ from etils import epath
 from roformer.data import synthetic
 from roformer.data.config import SOURCE_FIELDS, SOURCES, TOKENIZERS, DataConfig
 from roformer.errors import ConfigError
+from roformer.infra.sharding import MESH_AXES, MeshConfig
 from roformer.nn import model as model_lib
 from roformer.nn.model import ModelConfig
 from roformer.posenc.config import PosEncConfig, RopeScaling
 
 SCHEDULES = ("cosine", "linear", "constant")
-MESH_AXES = ("data", "fsdp", "tensor")
 # Fields a rerun in an existing workdir may change; any other difference is an error.
 RESUMABLE_FIELDS = (
   "train.num_train_steps",
@@ -58,22 +58,6 @@ class TrainConfig:
   checkpoint_every_steps: int = 2000  # 0 = only at the end
   keep_checkpoints: int = 3
   init_from: str = ""  # another run's workdir or a Hugging Face RoFormer directory
-
-
-@dataclasses.dataclass(frozen=True)
-class MeshConfig:
-  data: int = -1  # -1 = the remaining devices
-  fsdp: int = 1
-  tensor: int = 1
-  # ((logical axis, mesh axis | tuple of mesh axes | None), ...)
-  rules: tuple = (
-    ("batch", ("data", "fsdp")),
-    ("embed", "fsdp"),
-    ("mlp", "tensor"),
-    ("heads", "tensor"),
-    ("kv", None),
-    ("vocab", "tensor"),
-  )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,9 @@ from flax import nnx
 
 from configs import default
 from roformer import config as config_lib
-from roformer.infra import checkpoint, sharding
+from roformer import runs
+from roformer.infra import checkpoint, preemption, sharding
+from roformer.train import init_from
 from roformer.train import trainer as train_lib
 
 
@@ -81,18 +83,18 @@ def test_manager_keeps_only_the_latest_checkpoints(tmp_path, train_state):
 def test_restore_model_returns_the_saved_parameters(tmp_path, train_state):
   rc, _, _, (model_def, model_state, _, opt_state) = train_state
   _save_run(tmp_path, rc, model_state, opt_state, step=3)
-  model, step = checkpoint.restore_model(tmp_path)
+  model, step = runs.restore_model(tmp_path)
   assert step == 3
   for a, b in zip(_leaves(model_state), _leaves(nnx.state(model)), strict=True):
     np.testing.assert_array_equal(a, b)
   with pytest.raises(checkpoint.CheckpointNotFoundError, match="no checkpoint of step 5"):
-    checkpoint.restore_model(tmp_path, step=5)
+    runs.restore_model(tmp_path, step=5)
 
 
 def test_restore_model_without_checkpoint_names_the_directory(tmp_path):
   config_lib.write_config_json(tmp_path, _tiny_run_config())
   with pytest.raises(checkpoint.CheckpointNotFoundError, match="no checkpoint in .*checkpoints"):
-    checkpoint.restore_model(tmp_path)
+    runs.restore_model(tmp_path)
 
 
 def test_init_from_rejects_a_directory_that_is_no_run(tmp_path, train_state):
@@ -101,15 +103,15 @@ def test_init_from_rejects_a_directory_that_is_no_run(tmp_path, train_state):
     lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), model_state
   )
   with pytest.raises(config_lib.ConfigError, match="train.init_from"):
-    checkpoint.load_init_state(str(tmp_path), abstract)
+    init_from.load_init_state(str(tmp_path), abstract)
   with pytest.raises(config_lib.ConfigError, match="no such directory"):
-    checkpoint.load_init_state(str(tmp_path / "missing"), abstract)
+    init_from.load_init_state(str(tmp_path / "missing"), abstract)
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_preemption_watcher_turns_sigterm_and_sigint_into_a_flag(signum):
   previous = signal.getsignal(signum)
-  with checkpoint.PreemptionWatcher() as watcher:
+  with preemption.PreemptionWatcher() as watcher:
     assert not watcher.requested()
     os.kill(os.getpid(), signum)
     assert watcher.requested() and watcher.signal_name == signum.name
@@ -117,7 +119,7 @@ def test_preemption_watcher_turns_sigterm_and_sigint_into_a_flag(signum):
 
 
 def test_preemption_watcher_second_sigint_interrupts_at_once():
-  with checkpoint.PreemptionWatcher() as watcher:
+  with preemption.PreemptionWatcher() as watcher:
     os.kill(os.getpid(), signal.SIGINT)
     assert watcher.requested()
     with pytest.raises(KeyboardInterrupt):
@@ -170,7 +172,7 @@ def test_init_from_a_run_loads_its_parameters(tmp_path, train_state, suffix):
   abstract = jax.tree.map(
     lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), model_state
   )
-  state = checkpoint.load_init_state(str(tmp_path / suffix), abstract)
+  state = init_from.load_init_state(str(tmp_path / suffix), abstract)
   for a, b in zip(_leaves(model_state), _leaves(state), strict=True):
     np.testing.assert_array_equal(a, b)
 
@@ -205,7 +207,7 @@ def test_init_from_hugging_face_into_scanned_layers_is_one_clear_error():
   fixture = Path(__file__).parent / "fixtures" / "hf_roformer_tiny"
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), model_state)
   with pytest.raises(config_lib.ConfigError, match="scan_layers=False"):
-    checkpoint.load_init_state(str(fixture), abstract)
+    init_from.load_init_state(str(fixture), abstract)
 
 
 def test_init_from_a_run_of_another_shape_names_the_parameters_and_config_fields(
@@ -220,7 +222,7 @@ def test_init_from_a_run_of_another_shape_names_the_parameters_and_config_fields
     other, train_lib.make_optimizer(rc.optim, 10), mesh, rc.mesh.rules
   )
   with pytest.raises(config_lib.ConfigError) as error:
-    checkpoint.load_init_state(str(tmp_path), abstract, wider)
+    init_from.load_init_state(str(tmp_path), abstract, wider)
   message = str(error.value)
   assert "\n" not in message and "partial_restore" not in message
   assert "layers/0/mlp/up/kernel" in message and "(16, 32) there, (16, 48) here" in message

@@ -12,6 +12,7 @@ from flax import nnx
 
 from configs import default
 from roformer import config as config_lib
+from roformer import runs
 from roformer.evals import ppl_vs_length as eval_run
 from roformer.infra import checkpoint
 from roformer.nn.model import make_model
@@ -153,12 +154,12 @@ def test_eval_model_config_rope_scaling_of_a_non_rope_run_raises(tmp_path):
   workdir = _make_run(tmp_path, "alibi_run", kind="alibi")
   run_config = config_lib.load_run_config(workdir)
   with pytest.raises(ValueError, match="posenc.kind"):
-    eval_run.eval_model_config(run_config.model, seq_len=SEQ_LEN, rope_scaling="yarn")
+    runs.eval_model_config(run_config.model, seq_len=SEQ_LEN, rope_scaling="yarn")
 
 
 def test_eval_model_config_dense_attention_becomes_auto():
   cfg = config_lib.run_config_from_dict(default.get_config()).model
-  dense = eval_run.eval_model_config(
+  dense = runs.eval_model_config(
     type(cfg)(**{**cfg.__dict__, "attention_impl": "dense"}), seq_len=512
   )
   assert dense.attention_impl == "auto"
@@ -361,7 +362,7 @@ def test_plot_says_log_scale_and_which_windows_the_position_panel_shows(tmp_path
   "script, patched, args",
   [
     ("eval", "roformer.evals.ppl_vs_length:evaluate_workdir", ["--workdir=DIR"]),
-    ("generate", "roformer.generate_run:generate_text", ["--workdir=DIR", "--prompt=x"]),
+    ("generate", "roformer.generate:generate_text", ["--workdir=DIR", "--prompt=x"]),
   ],
 )
 def test_ctrl_c_is_one_line_and_exit_130(script, patched, args):

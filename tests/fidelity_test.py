@@ -12,7 +12,7 @@ from flax import nnx
 
 from configs import default
 from roformer import config as config_lib
-from roformer import data
+from roformer import data, runs
 from roformer.evals import perplexity as eval_lib
 from roformer.evals import plots as eval_plot
 from roformer.evals import ppl_vs_length as eval_run
@@ -180,7 +180,7 @@ def test_eval_labels_xpos_without_bca_honestly():
     "no BCA",
     "stride L/4",
   ]
-  bca = eval_run.eval_model_config(xpos, seq_len=64, attention_window=64, window_kind="blockwise")
+  bca = runs.eval_model_config(xpos, seq_len=64, attention_window=64, window_kind="blockwise")
   assert eval_run.label_notes(bca, trained_window=0, stride=1, protocols=("nonoverlapping",)) == [
     "BCA 64"
   ]

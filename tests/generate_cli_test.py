@@ -1,4 +1,4 @@
-"""Tests of generate.py and roformer/generate_run.py on a workdir with a checkpoint."""
+"""Tests of generate.py and roformer.generate.generate_text on a workdir with a checkpoint."""
 
 import os
 import subprocess

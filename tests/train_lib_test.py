@@ -14,9 +14,11 @@ import train_helpers
 from flax import nnx
 
 from roformer import config as config_lib
+from roformer import runs
 from roformer.config import OptimConfig
-from roformer.infra import checkpoint, sharding
+from roformer.infra import sharding
 from roformer.nn.model import ModelConfig, make_model
+from roformer.train import init_from
 from roformer.train import trainer as train_lib
 
 # ---- Optimizer ----
@@ -253,7 +255,7 @@ def test_init_from_hf_roformer_loads_its_parameters():
   mesh = sharding.make_mesh(config_lib.MeshConfig())
   make = lambda: make_model(loaded.config, rngs=nnx.Rngs(1))  # noqa: E731
   _, abstract = sharding.abstract_state(make, mesh, config_lib.MeshConfig().rules)
-  state = checkpoint.load_init_state(str(path), abstract)
+  state = init_from.load_init_state(str(path), abstract)
   expected = jax.tree.leaves(nnx.state(loaded.model))
   assert len(expected) == len(jax.tree.leaves(state))
   for a, b in zip(jax.tree.leaves(state), expected, strict=True):
@@ -393,7 +395,7 @@ def test_non_finite_loss_stops_naming_step_and_last_good_checkpoint(tmp_path):
   good = train_helpers.checkpoint_steps(tmp_path)
   assert good and max(good) == bad_step - 1
   assert f"The last good checkpoint is step {bad_step - 1}" in message
-  model, step = checkpoint.restore_model(tmp_path)
+  model, step = runs.restore_model(tmp_path)
   assert step == bad_step - 1
   assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(nnx.state(model)))
 

@@ -10,20 +10,17 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 from etils import epath
-from flax import nnx
 
 from roformer import config as config_lib
 from roformer import data as data_lib
+from roformer import runs
 from roformer.evals import perplexity as eval_lib
 from roformer.evals import plots as eval_plot
 from roformer.evals.perplexity import PROTOCOLS
 from roformer.evals.plots import DEFAULT_NAME
-from roformer.infra import checkpoint
 from roformer.infra import workdir as workdir_lib
-from roformer.nn import model as model_lib
 from roformer.posenc import POSENCS
 from roformer.posenc import randomized as randomized_positions
-from roformer.posenc.config import SCALING_KINDS, RopeScaling
 
 # Positions kept in the JSON's per-position curve; longer windows are averaged over equal bins.
 MAX_POSITION_POINTS = 256
@@ -111,64 +108,6 @@ def factor_at(rope_factor: float | str, length: int, seq_len: int) -> float:
   return float(rope_factor)
 
 
-def eval_model_config(
-  model_cfg,
-  *,
-  seq_len: int,
-  rope_scaling: str = "none",
-  rope_factor: float = 1.0,
-  attention_window: int = 0,
-  window_kind: str = "sliding",
-):
-  """The run's ModelConfig as evaluated: any RoPE scaling or attention window applied, and a
-  blockwise attention kernel.
-
-  Args:
-    model_cfg: the run's ModelConfig.
-    seq_len: the training length (the scaling's original_max_len).
-    rope_scaling: a RopeScaling kind, or "none" to keep the run's encoding as trained.
-    rope_factor: the scaling factor.
-    attention_window, window_kind: an attention window imposed at evaluation (0 = as trained),
-      e.g. xPos's blockwise causal attention (window_kind "blockwise", window = seq_len).
-
-  Returns:
-    A ModelConfig with the same parameters as `model_cfg`.
-  """
-  posenc = model_cfg.posenc
-  if rope_scaling != "none":
-    if rope_scaling not in SCALING_KINDS:
-      raise ValueError(f"--rope_scaling must be one of {SCALING_KINDS}, got {rope_scaling!r}")
-    if not POSENCS[posenc.kind].accepts_rope_scaling:
-      raise ValueError(
-        f"--rope_scaling rescales RoPE frequencies, but this run has posenc.kind={posenc.kind!r} "
-        "(only rotary runs can be scaled)"
-      )
-    scaling = RopeScaling(kind=rope_scaling, factor=float(rope_factor), original_max_len=seq_len)
-    posenc = dataclasses.replace(posenc, scaling=scaling)
-  window = {}
-  if attention_window:
-    if attention_window < 0:
-      raise ValueError(f"--window must be > 0, got {attention_window}")
-    # Every layer: a per-layer pattern of the run gives way to the imposed window.
-    window = dict(
-      attention_window=attention_window,
-      attention_window_kind=window_kind,
-      attention_window_pattern="",
-    )
-  # The dense kernel materialises [L, L] scores; "auto" is the same kernel for short windows.
-  impl = "auto" if model_cfg.attention_impl == "dense" else model_cfg.attention_impl
-  cfg = dataclasses.replace(model_cfg, posenc=posenc, attention_impl=impl, **window)
-  model_lib.validate_model(cfg)
-  return cfg
-
-
-def with_config(model, cfg):
-  """`model`'s parameters in a model built from `cfg` (same parameters, other static settings)."""
-  abstract = nnx.eval_shape(lambda: model_lib.make_model(cfg, rngs=nnx.Rngs(0)))
-  graphdef, _ = nnx.split(abstract)
-  return nnx.merge(graphdef, nnx.state(model))
-
-
 def label_notes(model_cfg, *, trained_window: int, stride: int, protocols) -> list[str]:
   """What a curve's label must say to be read right: the attention window in force, an
   encoding's paper setting left out (xPos without BCA), the sliding stride."""
@@ -183,31 +122,6 @@ def label_notes(model_cfg, *, trained_window: int, stride: int, protocols) -> li
   if "sliding" in protocols:
     notes.append(f"stride {stride}" if stride else "stride L/4")
   return notes
-
-
-def unsupported_length(model_cfg, length: int) -> str | None:
-  """Why `model_cfg` cannot run windows of `length` (e.g. a learned table too short), or None."""
-  randomize_max = model_cfg.posenc.randomize_max
-  if randomize_max and length > randomize_max:
-    return (
-      f"a run trained with randomized positions is evaluated at a sorted subset of [0, "
-      f"posenc.randomize_max={randomize_max}), which has no {length} distinct positions"
-    )
-  try:
-    model_lib.validate_model(model_cfg, seq_len=length)
-  except ValueError as e:
-    return str(e)
-  return None
-
-
-def restore_for_eval(workdir, run_config, model_cfg, *, step: int | None = None):
-  """Restores the checkpoint's weights into a model built from `model_cfg` (same parameters).
-
-  Returns:
-    (model, step).
-  """
-  run_config = dataclasses.replace(run_config, model=model_cfg)
-  return checkpoint.restore_model(workdir, step=step, run_config=run_config)
 
 
 def load_eval_tokens(run_config, workdir, *, split: str = "validation", data_files: str = ""):
@@ -350,7 +264,7 @@ def evaluate_workdir(
     )
 
   def config_at(length: int):
-    return eval_model_config(
+    return runs.eval_model_config(
       run_config.model,
       seq_len=seq_len,
       rope_scaling=rope_scaling,
@@ -365,7 +279,7 @@ def evaluate_workdir(
   if stride and stride > lengths[0] and "sliding" in protocols:
     raise ValueError(f"--stride={stride} is longer than the shortest length {lengths[0]}")
   model_cfg = config_at(lengths[0])
-  model, step = restore_for_eval(workdir, run_config, model_cfg, step=step)
+  model, step = runs.restore_for_eval(workdir, run_config, model_cfg, step=step)
   tokens, tokenizer = load_eval_tokens(run_config, workdir, split=split, data_files=data_files)
   model_kind = model_cfg.kind
   max_length = max(lengths)
@@ -384,8 +298,8 @@ def evaluate_workdir(
   for i, length in enumerate(lengths, start=1):
     length_cfg = config_at(length)
     if length_cfg != model_cfg:  # "auto" factors: same parameters, another scaling
-      model, model_cfg = with_config(model, length_cfg), length_cfg
-    reason = unsupported_length(model_cfg, length)
+      model, model_cfg = runs.with_config(model, length_cfg), length_cfg
+    reason = runs.unsupported_length(model_cfg, length)
     for proto in protocols:
       prefix = f"length {i}/{len(lengths)} L={length} {proto}"
       if reason:

@@ -28,6 +28,7 @@ from etils import epath
 from flax import nnx
 
 from roformer import config as config_lib
+from roformer import runs
 from roformer.data import synthetic
 from roformer.data.tokenizer import ByteTokenizer
 from roformer.evals import ppl_vs_length as eval_run
@@ -132,7 +133,7 @@ def unsupported(model_cfg, task: str, n: int) -> str | None:
     synthetic.check_length(task, n)
   except ValueError as e:
     return str(e)
-  return eval_run.unsupported_length(model_cfg, synthetic.example_length(task, n) - 1)
+  return runs.unsupported_length(model_cfg, synthetic.example_length(task, n) - 1)
 
 
 def evaluate_tasks(
@@ -176,8 +177,8 @@ def evaluate_tasks(
   )
   if lengths[0] < 1:
     raise ValueError(f"--task_lengths must be positive, got {lengths}")
-  model_cfg = eval_run.eval_model_config(run_config.model, seq_len=data.seq_len)
-  model, step = eval_run.restore_for_eval(workdir, run_config, model_cfg, step=step)
+  model_cfg = runs.eval_model_config(run_config.model, seq_len=data.seq_len)
+  model, step = runs.restore_for_eval(workdir, run_config, model_cfg, step=step)
   predict = make_predict(model)
   seed = run_config.train.seed
   randomize_max = model_cfg.posenc.randomize_max

@@ -4,6 +4,7 @@ Parameters carry logical names ('vocab', 'embed', 'heads', 'kv', 'mlp'); `mesh.r
 'batch') to the mesh axes ('data', 'fsdp', 'tensor').
 """
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable, Mapping
@@ -15,7 +16,25 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from roformer.config import MESH_AXES, ConfigError, MeshConfig
+from roformer.errors import ConfigError
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  data: int = -1  # -1 = the remaining devices
+  fsdp: int = 1
+  tensor: int = 1
+  # ((logical axis, mesh axis | tuple of mesh axes | None), ...)
+  rules: tuple = (
+    ("batch", ("data", "fsdp")),
+    ("embed", "fsdp"),
+    ("mlp", "tensor"),
+    ("heads", "tensor"),
+    ("kv", None),
+    ("vocab", "tensor"),
+  )
 
 
 def mesh_shape(mesh_cfg: MeshConfig, num_devices: int) -> tuple[int, int, int]:

@@ -183,23 +183,6 @@ def log_train(loop: Loop, step: int) -> None:
   loop.steps_in_window = 0
 
 
-def stop_requested(watcher: checkpoint.PreemptionWatcher, train, done: int) -> bool:
-  """True when a signal asked to stop; several processes agree on it at logging steps only."""
-  stop = watcher.requested()
-  if jax.process_count() > 1:
-    # One collective per logging interval; every process then stops at the same step.
-    stop = done % train.log_every_steps == 0 and any_process(stop)
-  return stop
-
-
-def any_process(flag: bool) -> bool:
-  """True on every process if `flag` is True on any (all processes stop at the same step)."""
-  from jax.experimental import multihost_utils
-
-  flags = multihost_utils.process_allgather(np.array([flag], np.int32))
-  return bool(np.max(flags))
-
-
 def close(loop: Loop) -> None:
   loop.manager.wait_until_finished()
   loop.manager.close()

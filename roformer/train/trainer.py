@@ -21,11 +21,12 @@ from flax import nnx
 from roformer import config as config_lib
 from roformer import data as data_lib
 from roformer.config import ConfigError, RunConfig
-from roformer.infra import checkpoint, metrics_log, prefetch, sharding
+from roformer.infra import checkpoint, metrics_log, preemption, prefetch, sharding
 from roformer.infra import workdir as workdir_lib
 from roformer.nn import model as model_lib
 from roformer.posenc import POSENCS, PosEnc
 from roformer.posenc import randomized as randomized_positions
+from roformer.train import init_from
 from roformer.train import loop as train_loop
 from roformer.train.loop import Setup
 from roformer.train.optimizer import decay_mask as decay_mask
@@ -377,7 +378,7 @@ def _lock(workdir: epath.Path, stack: contextlib.ExitStack) -> None:
       stack.enter_context(workdir_lib.WorkdirLock(str(workdir)))
     except workdir_lib.WorkdirError as e:
       error = e
-  if jax.process_count() > 1 and train_loop.any_process(error is not None) and error is None:
+  if jax.process_count() > 1 and preemption.any_process(error is not None) and error is None:
     raise workdir_lib.WorkdirError(f"--workdir={workdir}: process 0 could not lock it")
   if error is not None:
     raise error
@@ -421,7 +422,7 @@ def _restore_or_init(
     return model_def, model_state, opt_def, opt_state, step
   model_def, model_state, opt_def, opt_state = create_train_state(rc, tx, mesh, rules)
   if rc.train.init_from:
-    model_state = checkpoint.load_init_state(rc.train.init_from, _abstract(model_state), rc.model)
+    model_state = init_from.load_init_state(rc.train.init_from, _abstract(model_state), rc.model)
   return model_def, model_state, opt_def, opt_state, 0
 
 
@@ -534,7 +535,7 @@ def _train(loop: train_loop.Loop) -> None:
     return sharding.put_batch(local, setup.mesh, setup.rules, train.global_batch_size)
 
   steps = range(loop.start_step, train.num_train_steps)
-  with checkpoint.PreemptionWatcher() as watcher, prefetch.Prefetcher(load, steps) as prefetched:
+  with preemption.PreemptionWatcher() as watcher, prefetch.Prefetcher(load, steps) as prefetched:
     for step, batch in prefetched:
       step_array = jnp.asarray(step, jnp.int32)
       if compiled is None:
@@ -548,7 +549,7 @@ def _train(loop: train_loop.Loop) -> None:
       if pending is not None:
         train_loop.finish_step(loop, *pending)
       pending = (done, metrics)
-      stop = train_loop.stop_requested(watcher, train, done)
+      stop = preemption.stop_requested(watcher, train, done)
       due = train_loop.due(train, done, stop)
       if due.any:
         train_loop.finish_step(loop, *pending)

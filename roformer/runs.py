@@ -1,0 +1,139 @@
+"""A finished run opened for inference: its config as evaluated, its checkpoint, its limits.
+
+Evaluation (roformer/evals/) and generation (roformer/generate.py) read a run through this module:
+the run's config.json, the model restored from a checkpoint onto this machine's devices, and the
+evaluation-time changes that keep the parameters (a RoPE scaling, an attention window, a
+blockwise kernel).
+"""
+
+import dataclasses
+from typing import Any
+
+from etils import epath
+from flax import nnx
+
+from roformer import config as config_lib
+from roformer.config import RunConfig
+from roformer.errors import ConfigError
+from roformer.infra import checkpoint, sharding
+from roformer.nn import model as model_lib
+from roformer.posenc import POSENCS
+from roformer.posenc.config import SCALING_KINDS, RopeScaling
+
+
+def eval_mesh(run_config: RunConfig):
+  """The run's mesh if this machine's device count fits it, else all devices on 'data'."""
+  try:
+    return sharding.make_mesh(run_config.mesh)
+  except ConfigError:
+    return sharding.make_mesh(config_lib.MeshConfig(data=-1, fsdp=1, tensor=1))
+
+
+def restore_model(
+  workdir: str | epath.Path, *, step: int | None = None, run_config: RunConfig | None = None
+) -> tuple[Any, int]:
+  """The model of a training run's checkpoint, for evaluation.
+
+  Args:
+    workdir: the run's workdir (holding config.json and checkpoints/).
+    step: the checkpoint's step; None = the latest.
+    run_config: overrides DIR/config.json (e.g. with a RoPE scaling for evaluation; parameter
+      shapes must not change).
+
+  Returns:
+    (model, step): the nnx model with its parameters sharded over this machine's devices.
+
+  Raises:
+    CheckpointNotFoundError: "no checkpoint in DIR/checkpoints" (or no such step).
+  """
+  workdir = epath.Path(workdir)
+  run_config = run_config or config_lib.load_run_config(workdir)
+  mesh = eval_mesh(run_config)
+  rules = sharding.axis_rules(run_config.mesh)
+  make = lambda: model_lib.make_model(run_config.model, rngs=nnx.Rngs(0))  # noqa: E731
+  graphdef, abstract = sharding.abstract_state(make, mesh, rules)
+  state, step = checkpoint.restore_model_state(workdir, step, abstract)
+  return nnx.merge(graphdef, state), step
+
+
+def eval_model_config(
+  model_cfg,
+  *,
+  seq_len: int,
+  rope_scaling: str = "none",
+  rope_factor: float = 1.0,
+  attention_window: int = 0,
+  window_kind: str = "sliding",
+):
+  """The run's ModelConfig as evaluated: any RoPE scaling or attention window applied, and a
+  blockwise attention kernel.
+
+  Args:
+    model_cfg: the run's ModelConfig.
+    seq_len: the training length (the scaling's original_max_len).
+    rope_scaling: a RopeScaling kind, or "none" to keep the run's encoding as trained.
+    rope_factor: the scaling factor.
+    attention_window, window_kind: an attention window imposed at evaluation (0 = as trained),
+      e.g. xPos's blockwise causal attention (window_kind "blockwise", window = seq_len).
+
+  Returns:
+    A ModelConfig with the same parameters as `model_cfg`.
+  """
+  posenc = model_cfg.posenc
+  if rope_scaling != "none":
+    if rope_scaling not in SCALING_KINDS:
+      raise ValueError(f"--rope_scaling must be one of {SCALING_KINDS}, got {rope_scaling!r}")
+    if not POSENCS[posenc.kind].accepts_rope_scaling:
+      raise ValueError(
+        f"--rope_scaling rescales RoPE frequencies, but this run has posenc.kind={posenc.kind!r} "
+        "(only rotary runs can be scaled)"
+      )
+    scaling = RopeScaling(kind=rope_scaling, factor=float(rope_factor), original_max_len=seq_len)
+    posenc = dataclasses.replace(posenc, scaling=scaling)
+  window = {}
+  if attention_window:
+    if attention_window < 0:
+      raise ValueError(f"--window must be > 0, got {attention_window}")
+    # Every layer: a per-layer pattern of the run gives way to the imposed window.
+    window = dict(
+      attention_window=attention_window,
+      attention_window_kind=window_kind,
+      attention_window_pattern="",
+    )
+  # The dense kernel materialises [L, L] scores; "auto" is the same kernel for short windows.
+  impl = "auto" if model_cfg.attention_impl == "dense" else model_cfg.attention_impl
+  cfg = dataclasses.replace(model_cfg, posenc=posenc, attention_impl=impl, **window)
+  model_lib.validate_model(cfg)
+  return cfg
+
+
+def with_config(model, cfg):
+  """`model`'s parameters in a model built from `cfg` (same parameters, other static settings)."""
+  abstract = nnx.eval_shape(lambda: model_lib.make_model(cfg, rngs=nnx.Rngs(0)))
+  graphdef, _ = nnx.split(abstract)
+  return nnx.merge(graphdef, nnx.state(model))
+
+
+def unsupported_length(model_cfg, length: int) -> str | None:
+  """Why `model_cfg` cannot run windows of `length` (e.g. a learned table too short), or None."""
+  randomize_max = model_cfg.posenc.randomize_max
+  if randomize_max and length > randomize_max:
+    return (
+      f"a run trained with randomized positions is evaluated at a sorted subset of [0, "
+      f"posenc.randomize_max={randomize_max}), which has no {length} distinct positions"
+    )
+  try:
+    model_lib.validate_model(model_cfg, seq_len=length)
+  except ValueError as e:
+    return str(e)
+  return None
+
+
+def restore_for_eval(workdir, run_config, model_cfg, *, step: int | None = None):
+  """Restores the checkpoint's weights into a model built from `model_cfg` (same parameters).
+
+  Returns:
+    (model, step).
+  """
+  run_config = dataclasses.replace(run_config, model=model_cfg)
+  return restore_model(workdir, step=step, run_config=run_config)
