@@ -1,6 +1,6 @@
 """Trains a RoFormer-JAX model: `python train.py --config=configs/lm.py --workdir=DIR`.
 
-This file is intentionally kept short. The logic lives in roformer/train/trainer.py.
+The logic lives in roformer/train/ (loop.py drives a run).
 """
 
 import os
@@ -93,8 +93,9 @@ def main(argv):
     jax.distributed.initialize()  # a TPU pod slice: JAX finds its peers itself
 
   from roformer import config as config_lib
+  from roformer import errors
   from roformer.infra import checkpoint, metrics_log, workdir
-  from roformer.train import trainer as train_lib
+  from roformer.train import loop as train_loop
 
   metrics_log.quiet_library_logs()
   if jax.process_index() != 0:
@@ -104,11 +105,11 @@ def main(argv):
     "JAX process %d/%d, devices: %s", jax.process_index(), jax.process_count(), jax.devices()
   )
   try:
-    train_lib.train_and_evaluate(FLAGS.config, FLAGS.workdir)
+    train_loop.train_and_evaluate(FLAGS.config, FLAGS.workdir)
   except (
     config_lib.ConfigError,
     workdir.WorkdirError,
-    train_lib.NonFiniteLossError,
+    errors.NonFiniteLossError,
     checkpoint.CheckpointNotFoundError,
   ) as e:
     _error(str(e))

@@ -3,6 +3,10 @@
 import functools
 import time
 
+from roformer.train import optimizer
+from roformer.train import state as train_state
+from roformer.train import step as step_lib
+
 # The tokenizer's vocabulary size, without training one: bytes has 261 ids.
 BYTES_VOCAB = 261
 
@@ -43,12 +47,11 @@ class JaxTrainer:
     import numpy as np
 
     from roformer.infra import sharding
-    from roformer.train import trainer as train_lib
 
     self.rc = rc
     mesh, rules = sharding.make_mesh(rc.mesh), sharding.axis_rules(rc.mesh)
-    tx = train_lib.make_optimizer(rc.optim, rc.train.num_train_steps)
-    model_def, self.model_state, opt_def, self.opt_state = train_lib.create_train_state(
+    tx = optimizer.make_optimizer(rc.optim, rc.train.num_train_steps)
+    model_def, self.model_state, opt_def, self.opt_state = train_state.create_train_state(
       rc, tx, mesh, rules
     )
     model_sh = sharding.shardings_of(self.model_state)
@@ -56,10 +59,10 @@ class JaxTrainer:
     repl = sharding.replicated(mesh)
     step_fn = jax.jit(
       functools.partial(
-        train_lib.train_step,
+        step_lib.train_step,
         model_def=model_def,
         opt_def=opt_def,
-        **train_lib.train_step_options(rc),
+        **step_lib.train_step_options(rc),
       ),
       in_shardings=(model_sh, opt_sh, sharding.batch_sharding(mesh, rules), repl),
       out_shardings=(model_sh, opt_sh, repl),
@@ -99,12 +102,11 @@ def compile_train_step(rc, devices) -> dict:
   import jax.numpy as jnp
 
   from roformer.infra import sharding
-  from roformer.train import trainer as train_lib
 
   mesh = sharding.make_mesh(rc.mesh, devices=devices)
   rules = sharding.axis_rules(rc.mesh)
-  tx = train_lib.make_optimizer(rc.optim, rc.train.num_train_steps)
-  model_def, model_abs, opt_def, opt_abs = train_lib.abstract_train_state(rc, tx, mesh, rules)
+  tx = optimizer.make_optimizer(rc.optim, rc.train.num_train_steps)
+  model_def, model_abs, opt_def, opt_abs = train_state.abstract_train_state(rc, tx, mesh, rules)
   model_sh, opt_sh = sharding.shardings_of(model_abs), sharding.shardings_of(opt_abs)
   batch_sh, repl = sharding.batch_sharding(mesh, rules), sharding.replicated(mesh)
   B, L = rc.train.global_batch_size, rc.data.seq_len
@@ -122,7 +124,7 @@ def compile_train_step(rc, devices) -> dict:
   }
   step_fn = jax.jit(
     functools.partial(
-      train_lib.train_step, model_def=model_def, opt_def=opt_def, **train_lib.train_step_options(rc)
+      step_lib.train_step, model_def=model_def, opt_def=opt_def, **step_lib.train_step_options(rc)
     ),
     in_shardings=(model_sh, opt_sh, batch_sh, repl),
     out_shardings=(model_sh, opt_sh, repl),

@@ -32,6 +32,8 @@ import bench_step
 from absl import app, flags
 from ml_collections import config_flags
 
+from roformer.train import step as step_lib
+
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _REPO)
 
@@ -89,9 +91,8 @@ def flops_per_token(rc, *, head_fraction: float = 1.0) -> float:
 
 def executed_head_fraction(rc) -> float:
   """Fraction of positions the train step runs the output layer at."""
-  from roformer.train import trainer as train_lib
 
-  capacity = train_lib.train_step_options(rc)["max_predictions"]
+  capacity = step_lib.train_step_options(rc)["max_predictions"]
   return capacity / rc.data.seq_len if capacity else 1.0
 
 

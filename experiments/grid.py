@@ -418,14 +418,14 @@ def _evaluate(workdir: pathlib.Path, ev: Eval) -> dict:
 
 
 def train_to_end(name: str, config, workdir: pathlib.Path) -> dict:
-  """train_lib.train_and_evaluate, and exit the grid if a signal stopped it before its last step.
+  """train_loop.train_and_evaluate, and exit the grid if a signal stopped it before its last step.
 
   SIGTERM/SIGINT make training save a checkpoint and return early; evaluating that checkpoint
   would record a half-trained model as the run's result, so the grid exits and a rerun resumes.
   """
-  from roformer.train import trainer as train_lib
+  from roformer.train import loop as train_loop
 
-  last_eval = train_lib.train_and_evaluate(config, str(workdir))
+  last_eval = train_loop.train_and_evaluate(config, str(workdir))
   trained = max((m["step"] for m in _read_metrics(workdir) if "train_loss" in m), default=0)
   if trained < config.train.num_train_steps:
     raise SystemExit(f"{name} stopped at step {trained}; rerun the grid to resume it")

@@ -49,11 +49,11 @@ def main():
   if source and not pathlib.Path(source).exists():
     parser.error(f"{record['run']} fine-tunes {source}, which is not on this machine")
   workdir = args.workdir or tempfile.mkdtemp(prefix=f"rerun_{record['run']}_")
-  from roformer.train import trainer as train_lib
+  from roformer.train import loop as train_loop
 
   base = record["base"] if "base" in record else base_config(args.run_json.parent)
   config = grid.make_config(base, overrides)
-  result = train_lib.train_and_evaluate(config, workdir)
+  result = train_loop.train_and_evaluate(config, workdir)
   recorded, new = record["final_eval"]["loss"], float(result["loss"])
   diff = new - recorded
   print(f"{record['run']}: recorded eval loss {recorded:.6f}, rerun {new:.6f}, diff {diff:+.2e}")

@@ -14,8 +14,8 @@ from configs import default
 from roformer import config as config_lib
 from roformer import runs
 from roformer.infra import checkpoint, preemption, sharding
-from roformer.train import init_from
-from roformer.train import trainer as train_lib
+from roformer.train import init_from, optimizer
+from roformer.train import state as state_lib
 
 
 def _tiny_run_config():
@@ -46,8 +46,8 @@ def _save_run(workdir, rc, model_state, opt_state, *, step):
 def train_state():
   rc = _tiny_run_config()
   mesh = sharding.make_mesh(rc.mesh)
-  tx = train_lib.make_optimizer(rc.optim, 10)
-  return rc, mesh, tx, train_lib.create_train_state(rc, tx, mesh, rc.mesh.rules)
+  tx = optimizer.make_optimizer(rc.optim, 10)
+  return rc, mesh, tx, state_lib.create_train_state(rc, tx, mesh, rc.mesh.rules)
 
 
 def test_checkpoint_round_trip_restores_every_array_with_its_sharding(tmp_path, train_state):
@@ -58,7 +58,7 @@ def test_checkpoint_round_trip_restores_every_array_with_its_sharding(tmp_path, 
   checkpoint.save(manager, 7, model_state, opt_state, {"step": 7, "data": {"next_batch": 7}})
   manager.wait_until_finished()
   assert manager.latest_step() == 7
-  _, model_abs, _, opt_abs = train_lib.abstract_train_state(rc, tx, mesh, rc.mesh.rules)
+  _, model_abs, _, opt_abs = state_lib.abstract_train_state(rc, tx, mesh, rc.mesh.rules)
   model_back, opt_back, meta = checkpoint.restore(manager, 7, model_abs, opt_abs)
   manager.close()
   assert meta == {"step": 7, "data": {"next_batch": 7}}
@@ -135,7 +135,7 @@ def test_restore_latest_readable_skips_a_truncated_checkpoint(tmp_path, train_st
   data_files = [p for p in (tmp_path / "checkpoints" / "4" / "model").rglob("d/*") if p.is_file()]
   biggest = max(data_files, key=lambda p: p.stat().st_size)
   biggest.write_bytes(biggest.read_bytes()[:50])
-  _, model_abs, _, opt_abs = train_lib.abstract_train_state(rc, tx, mesh, rc.mesh.rules)
+  _, model_abs, _, opt_abs = state_lib.abstract_train_state(rc, tx, mesh, rc.mesh.rules)
   restored, _, meta, step, unreadable = checkpoint.restore_latest_readable(
     manager, model_abs, opt_abs
   )
@@ -158,7 +158,7 @@ def test_restore_latest_readable_without_a_readable_checkpoint_raises_one_line(
   manager.wait_until_finished()
   for path in (tmp_path / "checkpoints" / "3" / "optimizer").rglob("d/*"):
     path.write_bytes(b"")
-  _, model_abs, _, opt_abs = train_lib.abstract_train_state(rc, tx, mesh, rc.mesh.rules)
+  _, model_abs, _, opt_abs = state_lib.abstract_train_state(rc, tx, mesh, rc.mesh.rules)
   with pytest.raises(checkpoint.CheckpointNotFoundError) as error:
     checkpoint.restore_latest_readable(manager, model_abs, opt_abs)
   manager.close()
@@ -182,8 +182,8 @@ def _scan_train_state():
   model = dataclasses.replace(rc.model, num_layers=2, scan_layers=True, remat="full")
   rc = dataclasses.replace(rc, model=model)
   mesh = sharding.make_mesh(rc.mesh)
-  tx = train_lib.make_optimizer(rc.optim, 10)
-  return rc, mesh, tx, train_lib.create_train_state(rc, tx, mesh, rc.mesh.rules)
+  tx = optimizer.make_optimizer(rc.optim, 10)
+  return rc, mesh, tx, state_lib.create_train_state(rc, tx, mesh, rc.mesh.rules)
 
 
 def test_scan_layers_checkpoint_round_trip_keeps_stacked_parameters(tmp_path):
@@ -193,7 +193,7 @@ def test_scan_layers_checkpoint_round_trip_keeps_stacked_parameters(tmp_path):
   manager = checkpoint.make_manager(tmp_path, keep=1)
   checkpoint.save(manager, 3, model_state, opt_state, {"step": 3})
   manager.wait_until_finished()
-  _, model_abs, _, opt_abs = train_lib.abstract_train_state(rc, tx, mesh, rc.mesh.rules)
+  _, model_abs, _, opt_abs = state_lib.abstract_train_state(rc, tx, mesh, rc.mesh.rules)
   model_back, opt_back, _ = checkpoint.restore(manager, 3, model_abs, opt_abs)
   manager.close()
   for a, b in zip(
@@ -218,8 +218,8 @@ def test_init_from_a_run_of_another_shape_names_the_parameters_and_config_fields
   wider = dataclasses.replace(rc.model, mlp_dim=48)
   mesh = sharding.make_mesh(rc.mesh)
   other = dataclasses.replace(rc, model=wider)
-  _, abstract, _, _ = train_lib.abstract_train_state(
-    other, train_lib.make_optimizer(rc.optim, 10), mesh, rc.mesh.rules
+  _, abstract, _, _ = state_lib.abstract_train_state(
+    other, optimizer.make_optimizer(rc.optim, 10), mesh, rc.mesh.rules
   )
   with pytest.raises(config_lib.ConfigError) as error:
     init_from.load_init_state(str(tmp_path), abstract, wider)

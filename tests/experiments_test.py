@@ -107,7 +107,7 @@ def test_grid_run_piecewise_with_only_reports_every_finished_run(tmp_path):
 
 def _fake_training(monkeypatch, last_step):
   """train_and_evaluate replaced by one that logs training up to `last_step`, as a signal would."""
-  from roformer.train import trainer as train_lib
+  from roformer.train import loop as train_loop
 
   def train_and_evaluate(config, workdir):
     os.makedirs(workdir, exist_ok=True)
@@ -116,7 +116,7 @@ def _fake_training(monkeypatch, last_step):
         f.write(json.dumps({"step": step, "train_loss": 1.0}) + "\n")
     return {}
 
-  monkeypatch.setattr(train_lib, "train_and_evaluate", train_and_evaluate)
+  monkeypatch.setattr(train_loop, "train_and_evaluate", train_and_evaluate)
 
 
 def test_a_run_stopped_before_its_last_step_ends_the_grid_instead_of_being_scored(

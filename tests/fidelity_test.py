@@ -21,7 +21,7 @@ from roformer.nn.model import ModelConfig, make_model, resolve_embed_scale, vali
 from roformer.posenc import POSENCS, sinusoidal_embedding
 from roformer.posenc.config import PosEncConfig
 from roformer.posenc.rope import xpos_max_span
-from roformer.train import trainer as train_lib
+from roformer.train import optimizer
 
 D = 64
 
@@ -95,7 +95,7 @@ def test_position_tables_get_weight_decay_only_as_their_papers_did():
     model = _model(posenc=posenc)
     decay = POSENCS[posenc].decays_parameters
     assert decay == decayed
-    mask = train_lib.decay_mask(nnx.state(model, nnx.Param), decay_posenc=decay)
+    mask = optimizer.decay_mask(nnx.state(model, nnx.Param), decay_posenc=decay)
     flat = {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_leaves_with_path(mask)}
     assert flat["['posenc']['table'].value"] == decayed
     assert not flat["['layers'][0]['attn']['query']['bias'].value"]  # [H, K], still a bias

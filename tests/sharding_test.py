@@ -72,20 +72,23 @@ import json, sys
 sys.path.insert(0, "tests")
 import train_helpers
 from flax import nnx
-from roformer import config_lib, sharding, train_lib
+from roformer import config as config_lib
+from roformer.infra import sharding
+from roformer.train import loop as train_loop
+from roformer.train import optimizer, state
 
 overrides, workdir = json.loads(sys.argv[1]), sys.argv[2]
 config = train_helpers.tiny_config(overrides)
 rc = config_lib.run_config_from_dict(config)
 mesh = sharding.make_mesh(rc.mesh)
-tx = train_lib.make_optimizer(rc.optim, rc.train.num_train_steps)
-_, model_state, _, opt_state = train_lib.create_train_state(rc, tx, mesh, rc.mesh.rules)
+tx = optimizer.make_optimizer(rc.optim, rc.train.num_train_steps)
+_, model_state, _, opt_state = state.create_train_state(rc, tx, mesh, rc.mesh.rules)
 specs = {
   "/".join(map(str, path)): str(v.get_value().sharding.spec)
   for state in (model_state, opt_state)
   for path, v in nnx.to_flat_state(state)
 }
-train_lib.train_and_evaluate(config, workdir)
+train_loop.train_and_evaluate(config, workdir)
 print("SPECS " + json.dumps(specs))
 """
 

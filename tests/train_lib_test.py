@@ -18,8 +18,8 @@ from roformer import runs
 from roformer.config import OptimConfig
 from roformer.infra import sharding
 from roformer.nn.model import ModelConfig, make_model
-from roformer.train import init_from
-from roformer.train import trainer as train_lib
+from roformer.train import init_from, optimizer
+from roformer.train import step as step_lib
 
 # ---- Optimizer ----
 
@@ -29,7 +29,7 @@ def test_schedule_warms_up_linearly_then_decays_to_final_fraction(schedule):
   optim = OptimConfig(
     learning_rate=1.0, schedule=schedule, warmup_steps=10, final_learning_rate_fraction=0.1
   )
-  lr = train_lib.make_schedule(optim, num_train_steps=110)
+  lr = optimizer.make_schedule(optim, num_train_steps=110)
   np.testing.assert_allclose([lr(0), lr(5), lr(10)], [0.0, 0.5, 1.0], atol=1e-6)
   end = {"cosine": 0.1, "linear": 0.1, "constant": 1.0}[schedule]
   np.testing.assert_allclose(lr(110), end, atol=1e-6)
@@ -38,7 +38,7 @@ def test_schedule_warms_up_linearly_then_decays_to_final_fraction(schedule):
 
 
 def test_schedule_without_warmup_starts_at_peak():
-  lr = train_lib.make_schedule(OptimConfig(learning_rate=2.0, warmup_steps=0), num_train_steps=10)
+  lr = optimizer.make_schedule(OptimConfig(learning_rate=2.0, warmup_steps=0), num_train_steps=10)
   np.testing.assert_allclose(lr(0), 2.0)
 
 
@@ -57,7 +57,7 @@ def test_weight_decay_shrinks_matrices_but_not_norms_or_biases():
   }
   params = jax.tree.map(jnp.asarray, params)
   optim = OptimConfig(learning_rate=1.0, warmup_steps=0, schedule="constant", weight_decay=0.5)
-  tx = train_lib.make_optimizer(optim, 10)
+  tx = optimizer.make_optimizer(optim, 10)
 
   @jax.jit
   def one_step(params):
@@ -78,7 +78,7 @@ def test_weight_decay_shrinks_matrices_but_not_norms_or_biases():
 
 def test_decay_mask_spares_every_one_dimensional_model_parameter_and_every_bias():
   params = nnx.state(nnx.eval_shape(_tiny_model), nnx.Param)
-  mask = train_lib.decay_mask(params)
+  mask = optimizer.decay_mask(params)
   for (path, keep), (_, value) in zip(
     jax.tree_util.tree_leaves_with_path(mask),
     jax.tree_util.tree_leaves_with_path(params),
@@ -102,7 +102,7 @@ def test_gradients_are_clipped_to_the_global_norm_before_adam():
     b2=0.0,
     eps=1.0,
   )
-  tx = train_lib.make_optimizer(optim, 10)
+  tx = optimizer.make_optimizer(optim, 10)
   params = {"w": jnp.zeros((3, 3))}
   update = jax.jit(lambda g, p: tx.update(g, tx.init(p), p)[0])
   updates = update({"w": jnp.full((3, 3), 10.0)}, params)
@@ -132,7 +132,7 @@ def test_gradient_accumulation_matches_one_big_batch():
   # parameters show the gradients' size: with a tiny eps Adam's first step is lr * sign(g), which
   # hides a wrong scale and turns fp32 rounding of near-zero gradients into visible differences.
   optim = OptimConfig(learning_rate=1e-2, warmup_steps=0, eps=1e-3)
-  tx = train_lib.make_optimizer(optim, 10)
+  tx = optimizer.make_optimizer(optim, 10)
   model_def, model_state = nnx.split(model)
   opt_def, opt_state = nnx.split(nnx.Optimizer(model, tx, wrt=nnx.Param))
   batch = _batch(np.random.default_rng(0))
@@ -140,10 +140,10 @@ def test_gradient_accumulation_matches_one_big_batch():
   for accum in (1, 4):
     step = jax.jit(
       functools.partial(
-        train_lib.train_step,
+        step_lib.train_step,
         model_def=model_def,
         opt_def=opt_def,
-        schedule=train_lib.make_schedule(optim, 10),
+        schedule=optimizer.make_schedule(optim, 10),
         seed=0,
         grad_accum_steps=accum,
       )
@@ -159,14 +159,14 @@ def test_gradient_accumulation_matches_one_big_batch():
 
 def _one_step(model, batch, **options):
   optim = OptimConfig(learning_rate=1e-2, warmup_steps=0)
-  tx = train_lib.make_optimizer(optim, 10)
+  tx = optimizer.make_optimizer(optim, 10)
   model_def, model_state = nnx.split(model)
   opt_def, opt_state = nnx.split(nnx.Optimizer(model, tx, wrt=nnx.Param))
   step = functools.partial(
-    train_lib.train_step,
+    step_lib.train_step,
     model_def=model_def,
     opt_def=opt_def,
-    schedule=train_lib.make_schedule(optim, 10),
+    schedule=optimizer.make_schedule(optim, 10),
     seed=0,
     grad_accum_steps=1,
     **options,
@@ -231,7 +231,7 @@ def test_mlm_head_at_masked_positions_matches_every_position(capacity):
   batch["weights"] = weights
 
   def loss(model, max_predictions):
-    sums = train_lib.loss_sums(
+    sums = step_lib.loss_sums(
       model, batch, deterministic=True, rngs=None, max_predictions=max_predictions
     )
     return sums["loss_sum"], sums

@@ -59,3 +59,10 @@ def any_process(flag: bool) -> bool:
 
   flags = multihost_utils.process_allgather(np.array([flag], np.int32))
   return bool(np.max(flags))
+
+
+def sync_processes(name: str) -> None:
+  """Waits until every process reaches the barrier `name`."""
+  from jax.experimental import multihost_utils
+
+  multihost_utils.sync_global_devices(name)

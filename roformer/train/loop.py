@@ -1,24 +1,36 @@
-"""The training loop's state and its periodic actions: finish a step, log, evaluate, save, stop.
+"""The training loop: set a run up, then step, log, evaluate, save and stop.
 
-roformer/train/trainer.py sets the run up and drives the loop; each action here is one function of
-the shared `Loop` state, so the loop itself reads as one flat sequence of steps.
+Entry point: `train_and_evaluate(config, workdir)` (train.py is a thin CLI over it). Each periodic
+action is one function of the shared `Loop` state, so the loop itself reads as one flat sequence
+of steps; the step is roformer/train/step.py, the state roformer/train/state.py.
 """
 
+import contextlib
 import dataclasses
+import functools
 import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from absl import logging
 from etils import epath
 from flax import nnx
 
 from roformer import config as config_lib
-from roformer.config import RunConfig
+from roformer import data as data_lib
+from roformer.config import ConfigError, RunConfig
 from roformer.errors import NonFiniteLossError
 from roformer.evals import perplexity as eval_lib
-from roformer.infra import checkpoint, metrics_log
+from roformer.infra import checkpoint, metrics_log, preemption, prefetch, sharding
+from roformer.infra import workdir as workdir_lib
+from roformer.nn import model as model_lib
+from roformer.posenc import POSENCS
+from roformer.train import state as train_state
+from roformer.train import step as train_step_lib
+from roformer.train.optimizer import decay_mask as decay_mask
+from roformer.train.optimizer import make_optimizer
 
 
 @dataclasses.dataclass
@@ -187,3 +199,281 @@ def close(loop: Loop) -> None:
   loop.manager.wait_until_finished()
   loop.manager.close()
   loop.writer.close()
+
+
+# ---- Setup ----
+
+
+def _check_or_replace_config(run_config: RunConfig, workdir: epath.Path) -> None:
+  """The resume rule: a rerun keeps DIR/config.json, unless no checkpoint was ever written.
+
+  A run that died before its first checkpoint left nothing to resume, so a corrected config may
+  replace it; the earlier attempt's files move to DIR/replaced/ so no record of it mixes in.
+  """
+  previous = config_lib.read_config_json(workdir)
+  if previous is None:
+    return
+  if checkpoint.finished_steps(workdir):
+    config_lib.check_resume(previous, run_config)
+    return
+  changed = config_lib.changed_fields(
+    config_lib.with_defaults(previous), config_lib.to_dict(run_config)
+  )
+  if not changed or jax.process_index() != 0:
+    return
+  moved_to = workdir_lib.archive_run_files(str(workdir))
+  logging.warning(
+    "%s holds no checkpoint: this config replaces the one of the earlier attempt (changed: %s); "
+    "its files moved to %s.",
+    workdir,
+    ", ".join(changed),
+    moved_to,
+  )
+
+
+def _warn_about_schedule(run_config: RunConfig) -> None:
+  optim, train = run_config.optim, run_config.train
+  if train.num_train_steps < optim.warmup_steps:
+    logging.warning(
+      "train.num_train_steps=%d is shorter than optim.warmup_steps=%d: the learning rate never "
+      "reaches its peak optim.learning_rate=%g.",
+      train.num_train_steps,
+      optim.warmup_steps,
+      optim.learning_rate,
+    )
+
+
+def _setup(run_config: RunConfig, workdir: epath.Path) -> Setup:
+  """Everything that can fail on bad input, before any compiling or checkpoint is touched."""
+  _check_or_replace_config(run_config, workdir)
+  if jax.process_count() > 1:
+    preemption.sync_processes(
+      "config checked"
+    )  # process 0 may have moved an earlier attempt's files
+  _warn_about_schedule(run_config)
+  corpus = data_lib.load_corpus(run_config.data, workdir=str(workdir))
+  model_cfg = dataclasses.replace(run_config.model, vocab_size=corpus.tokenizer.vocab_size)
+  run_config = dataclasses.replace(run_config, model=model_cfg)
+  model_lib.validate_model(run_config.model, seq_len=run_config.data.seq_len)
+  mesh = sharding.make_mesh(run_config.mesh)
+  rules = sharding.axis_rules(run_config.mesh)
+  train, optim = run_config.train, run_config.optim
+  ways = sharding.batch_axis_size(mesh, rules)
+  micro = train.global_batch_size // optim.grad_accum_steps
+  if micro % ways:
+    raise ConfigError(
+      f"train.global_batch_size / optim.grad_accum_steps = {micro} must be divisible by the "
+      f"{ways} ways the batch is split over the mesh ({dict(mesh.shape)})"
+    )
+  batch_index, batch_count = sharding.process_batch_slice(mesh, rules, train.global_batch_size)
+  batches = corpus.train_batches(
+    run_config.data,
+    model_kind=run_config.model.kind,
+    global_batch_size=train.global_batch_size,
+    seed=train.seed,
+    process_index=batch_index,
+    process_count=batch_count,
+  )
+  if train.init_from and not epath.Path(train.init_from).exists():
+    raise ConfigError(f"train.init_from={train.init_from}: no such directory")
+  return Setup(run_config, corpus, mesh, rules, batches)
+
+
+def _log_startup(setup: Setup, num_params: int, workdir: epath.Path) -> None:
+  logging.info(
+    "JAX %s: process %d of %d, %d local / %d global devices: %s",
+    jax.__version__,
+    jax.process_index(),
+    jax.process_count(),
+    jax.local_device_count(),
+    jax.device_count(),
+    jax.devices(),
+  )
+  logging.info("Mesh %s, rules %s", dict(setup.mesh.shape), setup.rules)
+  logging.info("Parameters: %s", f"{num_params:,}")
+  logging.info("Workdir %s; resolved config:\n%s", workdir, config_lib.describe(setup.run_config))
+
+
+# ---- The loop ----
+
+
+def _setup_or_config_error(run_config: RunConfig, workdir: epath.Path) -> Setup:
+  try:
+    return _setup(run_config, workdir)
+  except ConfigError:
+    raise
+  except ValueError as e:  # data.DataError, the model's checks: already one clear message
+    raise ConfigError(str(e)) from e
+
+
+def _resolve_paths(run_config: RunConfig) -> RunConfig:
+  """train.init_from as an absolute path (config.json must not depend on the current directory)."""
+  train = run_config.train
+  if not train.init_from:
+    return run_config
+  init_from = workdir_lib.resolve(train.init_from, flag="train.init_from")
+  return dataclasses.replace(run_config, train=dataclasses.replace(train, init_from=init_from))
+
+
+def _lock(workdir: epath.Path, stack: contextlib.ExitStack) -> None:
+  """Creates the workdir and locks it (process 0); every process stops if the lock is refused."""
+  workdir_lib.make_writable(str(workdir))
+  error = None
+  if jax.process_index() == 0:
+    try:
+      stack.enter_context(workdir_lib.WorkdirLock(str(workdir)))
+    except workdir_lib.WorkdirError as e:
+      error = e
+  if jax.process_count() > 1 and preemption.any_process(error is not None) and error is None:
+    raise workdir_lib.WorkdirError(f"--workdir={workdir}: process 0 could not lock it")
+  if error is not None:
+    raise error
+
+
+def _jit_train_step(loop: Loop) -> Any:
+  """train_step jitted with the state's shardings, donating the state."""
+  rc, mesh, rules = loop.config, loop.setup.mesh, loop.setup.rules
+  model_sh = sharding.shardings_of(loop.model_state)
+  opt_sh = sharding.shardings_of(loop.opt_state)
+  repl = sharding.replicated(mesh)
+  return jax.jit(
+    functools.partial(
+      train_step_lib.train_step,
+      model_def=loop.model_def,
+      opt_def=loop.opt_def,
+      **train_step_lib.train_step_options(rc),
+    ),
+    in_shardings=(model_sh, opt_sh, sharding.batch_sharding(mesh, rules), repl),
+    out_shardings=(model_sh, opt_sh, repl),
+    donate_argnums=(0, 1),
+  )
+
+
+def _compile(loop: Loop, step_fn: Any, batch: dict, step_array: jax.Array) -> Any:
+  start = time.perf_counter()
+  compiled = step_fn.lower(loop.model_state, loop.opt_state, batch, step_array).compile()
+  logging.info(
+    "Compiled the train step in %.1fs; training from step %d to %d.",
+    time.perf_counter() - start,
+    loop.start_step,
+    loop.config.train.num_train_steps,
+  )
+  return compiled
+
+
+def _start(run_config: RunConfig, workdir: epath.Path) -> Loop:
+  """Checks the config against the workdir, writes config.json, restores or creates the state."""
+  setup = _setup_or_config_error(run_config, workdir)
+  rc = setup.run_config
+  train = rc.train
+  is_main = jax.process_index() == 0
+  if is_main:
+    config_lib.write_config_json(workdir, rc)
+  tx = make_optimizer(
+    rc.optim,
+    train.num_train_steps,
+    decay_posenc=POSENCS[rc.model.posenc.kind].decays_parameters,
+  )
+  manager = checkpoint.make_manager(workdir, keep=train.keep_checkpoints)
+  try:
+    model_def, model_state, opt_def, opt_state, start_step = train_state.restore_or_init(
+      rc, setup.mesh, setup.rules, tx, manager, workdir
+    )
+  except BaseException:
+    manager.close()
+    raise
+  if is_main:
+    _log_startup(setup, train_state.count_params(model_state), workdir)
+  if start_step >= train.num_train_steps:
+    logging.info("Nothing to train: the checkpoint is at step %d.", start_step)
+  return Loop(
+    setup=setup,
+    workdir=workdir,
+    manager=manager,
+    writer=metrics_log.MetricsWriter(workdir, enabled=is_main),
+    console=metrics_log.ConsoleLog(
+      train.num_train_steps, log_every_steps=train.log_every_steps, enabled=is_main
+    ),
+    model_def=model_def,
+    opt_def=opt_def,
+    model_state=model_state,
+    opt_state=opt_state,
+    start_step=start_step,
+  )
+
+
+def train_and_evaluate(config: Any, workdir: str) -> dict:
+  """Trains (or resumes) the run in `workdir` and evaluates it periodically on validation data.
+
+  A local workdir is locked for the whole run (DIR/.lock): a second run into it stops before
+  reading or writing anything there. SIGTERM and SIGINT save a checkpoint and return.
+
+  Args:
+    config: a ConfigDict of configs/default.py's layout (or the same as a nested dict).
+    workdir: the run directory (local path, relative or with ~, or gs://...).
+
+  Returns:
+    The last evaluation's metrics ({} without evaluation).
+
+  Raises:
+    ConfigError: bad input (config value, data, mesh), raised before compiling or touching a
+      checkpoint; the message names the field.
+    WorkdirError: the workdir is empty, cannot be written, or another run holds it.
+    CheckpointNotFoundError: no checkpoint in the workdir reads back.
+    NonFiniteLossError: the loss or gradient became NaN or infinite.
+  """
+  workdir = epath.Path(workdir_lib.resolve(str(workdir)))
+  run_config = _resolve_paths(config_lib.run_config_from_dict(config))
+  with contextlib.ExitStack() as stack:
+    _lock(workdir, stack)  # before anything in the workdir is read or written
+    loop = _start(run_config, workdir)
+    stack.callback(close, loop)
+    _train(loop)
+  return loop.last_eval
+
+
+def _train(loop: Loop) -> None:
+  """Steps from loop.start_step to train.num_train_steps, or until a signal asks to stop."""
+  setup, train = loop.setup, loop.config.train
+  step_fn, compiled, pending = _jit_train_step(loop), None, None
+
+  def load(step: int):  # runs on the prefetch thread, ahead of the step that uses it
+    local = setup.batches.batch(step)
+    return sharding.put_batch(local, setup.mesh, setup.rules, train.global_batch_size)
+
+  steps = range(loop.start_step, train.num_train_steps)
+  with preemption.PreemptionWatcher() as watcher, prefetch.Prefetcher(load, steps) as prefetched:
+    for step, batch in prefetched:
+      step_array = jnp.asarray(step, jnp.int32)
+      if compiled is None:
+        compiled = _compile(loop, step_fn, batch, step_array)
+        loop.console.start(loop.start_step)
+      loop.model_state, loop.opt_state, metrics = compiled(
+        loop.model_state, loop.opt_state, batch, step_array
+      )
+      done = step + 1
+      # Pull the previous step's metrics after dispatching this one: the host never idles.
+      if pending is not None:
+        finish_step(loop, *pending)
+      pending = (done, metrics)
+      stop = preemption.stop_requested(watcher, train, done)
+      actions = due(train, done, stop)
+      if actions.any:
+        finish_step(loop, *pending)
+        pending = None
+      if actions.log:
+        log_train(loop, done)
+      if actions.save:
+        save(loop, done)
+      if stop:
+        loop.manager.wait_until_finished()
+        logging.warning(
+          "%s received: saved the checkpoint of step %d; exiting.",
+          watcher.signal_name or "A stop request from another process",
+          done,
+        )
+        return
+      if actions.eval:
+        evaluate(loop, done)
+    if pending is not None:
+      finish_step(loop, *pending)
