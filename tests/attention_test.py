@@ -7,6 +7,7 @@ import pytest
 from flax import nnx
 
 from roformer.nn.attention import kernels as attention
+from roformer.nn.attention import softmax
 from roformer.posenc import POSENCS, make_posenc
 from roformer.posenc.config import POSENC_KINDS, PosEncConfig, RopeScaling
 
@@ -135,7 +136,7 @@ def _layer(num_kv_heads, impl="dense", seed=0, dtype=jnp.float32):
   """An Attention layer with random values (from numpy, biases included) in every parameter."""
 
   def build():
-    return attention.Attention(
+    return softmax.Attention(
       H * K, H, K, num_kv_heads=num_kv_heads, causal=True, impl=impl, block=BLOCK, dtype=dtype,
       rngs=nnx.Rngs(0),
     )  # fmt: skip

@@ -10,6 +10,7 @@ import variant_helpers as vh
 
 from roformer.nn.attention import banded as attention_window
 from roformer.nn.attention import kernels as attention
+from roformer.nn.attention import primitives
 from roformer.nn.model import layer_windows, validate_model
 
 B, L, H, G = 2, 29, 4, 2  # L is not a multiple of the block
@@ -80,7 +81,7 @@ def test_window_at_least_the_length_equals_full_attention(impl):
 
 def test_global_tokens_attend_and_are_attended_by_all():
   pos = jnp.arange(12)[None]
-  mask = np.asarray(attention.attention_mask(pos, pos, causal=False, window=2, global_tokens=2))[0]
+  mask = np.asarray(primitives.attention_mask(pos, pos, causal=False, window=2, global_tokens=2))[0]
   assert mask[:2].all() and mask[:, :2].all()  # global rows and columns
   assert not mask[5, 8] and mask[5, 6] and not mask[5, 3]  # others keep the window
   q, k, v = _normal((1, 12, H, 8), 6), _normal((1, 12, G, 8), 7), _normal((1, 12, G, 8), 8)

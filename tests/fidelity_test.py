@@ -17,6 +17,7 @@ from roformer.evals import perplexity as eval_lib
 from roformer.evals import plots as eval_plot
 from roformer.evals import ppl_vs_length as eval_run
 from roformer.nn.attention import kernels as attention
+from roformer.nn.attention import primitives
 from roformer.nn.model import ModelConfig, make_model, resolve_embed_scale, validate_model
 from roformer.posenc import POSENCS, sinusoidal_embedding
 from roformer.posenc.config import PosEncConfig
@@ -150,7 +151,7 @@ def test_xpos_refuses_spans_its_float32_scales_cannot_hold():
 def test_blockwise_window_sees_its_half_block_and_the_previous_one():
   pos_1L = jnp.arange(12)[None]
   mask_LS = np.asarray(
-    attention.attention_mask(pos_1L, pos_1L, causal=True, window=8, window_kind="blockwise")[0]
+    primitives.attention_mask(pos_1L, pos_1L, causal=True, window=8, window_kind="blockwise")[0]
   )
   # Blocks of 4: query 9 (block 2, 8..11) sees keys 4..9; query 7 (block 1) sees 0..7, as does
   # every query of an input no longer than the window.
@@ -158,7 +159,7 @@ def test_blockwise_window_sees_its_half_block_and_the_previous_one():
   np.testing.assert_array_equal(np.flatnonzero(mask_LS[7]), np.arange(0, 8))
   np.testing.assert_array_equal(np.flatnonzero(mask_LS[11]), np.arange(4, 12))
   assert max(i - np.flatnonzero(row).min() for i, row in enumerate(mask_LS)) < 8
-  sliding = np.asarray(attention.attention_mask(pos_1L, pos_1L, causal=True, window=4)[0])
+  sliding = np.asarray(primitives.attention_mask(pos_1L, pos_1L, causal=True, window=4)[0])
   np.testing.assert_array_equal(np.flatnonzero(sliding[9]), np.arange(6, 10))
 
 

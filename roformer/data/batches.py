@@ -9,14 +9,17 @@ stream (documents separated by EOS, no CLS/SEP), BERT-masked.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from roformer.data.config import DataConfig
-from roformer.data.corpus import Corpus
 from roformer.data.masking import mlm_mask
 from roformer.data.packing import gather_rows, plan_packing
 from roformer.errors import DataError
+
+if TYPE_CHECKING:  # a Corpus builds its TrainBatches: no runtime import back
+  from roformer.data.corpus import Corpus
 
 MODEL_KINDS = ("decoder", "encoder")
 # First entries of the seed sequences, so window order and masking draw independent streams.

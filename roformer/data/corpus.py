@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import datasets
 import numpy as np
 
+from roformer.data.batches import TrainBatches
 from roformer.data.cache import TokenCache, cache_key
 from roformer.data.config import DataConfig
 from roformer.data.sources import Source, cache_root, make_source
@@ -40,8 +41,6 @@ class Corpus:
 
   def train_batches(self, cfg: DataConfig, **kwargs):
     """The training batches of this corpus: `TrainBatches(self, cfg, **kwargs)`."""
-    from roformer.data.batches import TrainBatches  # local: batches imports this module
-
     return TrainBatches(self, cfg, **kwargs)
 
   def tokens(self, split: str) -> np.ndarray:

@@ -208,7 +208,7 @@ def build_tokenizer(cfg: DataConfig, *, workdir: str, source: Source | None = No
     log.info("Loaded the %s tokenizer from %s.", name, saved)
     return HFTokenizer(backend, kind=name)
   if source is None:
-    from roformer.data.sources import make_source  # local: sources imports this module
+    from roformer.data.sources import make_source  # local: `datasets` loads only to train one
 
     source = make_source(cfg)
   tok = HFTokenizer(_train(name, cfg, source), kind=name)

@@ -11,9 +11,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from roformer.nn.attention.kernels import KERNELS, WINDOW_KINDS
-from roformer.nn.attention.kernels import dropout as _dropout
+from roformer.nn.attention.kernels import KERNELS
 from roformer.nn.attention.kinds import ATTENTIONS, make_attention
+from roformer.nn.attention.primitives import WINDOW_KINDS
+from roformer.nn.attention.primitives import dropout as _dropout
 from roformer.nn.layers import DTYPES
 from roformer.nn.layers import embed as _embed
 from roformer.nn.layers import linear as _linear

@@ -87,6 +87,19 @@ def validate_posenc(
       f"posenc.kind={cfg.kind!r} adds a content-dependent bias that only the dense kernel "
       "computes; set model.attention_impl to 'dense' or 'auto' (auto uses dense for it)"
     )
+  if cls.causal_only and not causal:
+    encoder_kinds = tuple(k for k, c in POSENCS.items() if not c.causal_only)
+    raise ValueError(
+      f"posenc.kind={cfg.kind!r} needs a causal decoder (model.kind='decoder'): "
+      f"{cls.causal_reason}; for an encoder use posenc.kind in {encoder_kinds}"
+    )
+  if cfg.scaling.kind != "none" and not cls.accepts_rope_scaling:
+    rotary = tuple(k for k, c in POSENCS.items() if c.accepts_rope_scaling)
+    raise ValueError(
+      f"posenc.scaling.kind={cfg.scaling.kind!r} applies only to the rotary encodings "
+      f"(posenc.kind in {rotary}), not posenc.kind={cfg.kind!r}; "
+      "set posenc.scaling.kind='none'"
+    )
   # Randomized training positions reach randomize_max - 1: a learned table must cover them.
   cls.check_config(cfg, causal=causal, head_dim=head_dim, seq_len=max(seq_len, cfg.randomize_max))
 

@@ -16,8 +16,8 @@ import urllib.request
 import datasets
 import huggingface_hub
 
-from roformer.data import sources
 from roformer.data.config import DataConfig
+from roformer.data.sources import base
 from roformer.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ def _without_torch():
     datasets.config.TORCH_AVAILABLE = saved
 
 
-class HubSource(sources.Source):
+class HubSource(base.Source):
   """A Hub dataset; splits come from data.hub_{train,validation,test}_split."""
 
   def __init__(self, cfg: DataConfig, *, cache_dir: str):
@@ -106,7 +106,7 @@ class HubSource(sources.Source):
     ds = self._fetch(cfg.hub_train_split, field="data.hub_train_split")
     if cfg.hub_validation_split:
       return ds
-    return sources.hold_out(ds, fraction=cfg.validation_fraction, split=split)
+    return base.hold_out(ds, fraction=cfg.validation_fraction, split=split)
 
   def _fetch(self, hub_split: str, *, field: str) -> datasets.Dataset:
     cfg = self._cfg

@@ -16,8 +16,8 @@ import os
 import datasets
 import pyarrow.parquet as pq
 
-from roformer.data import sources
 from roformer.data.config import DataConfig
+from roformer.data.sources import base
 from roformer.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ def expand(patterns: str, *, field: str) -> list[str]:
   return files
 
 
-class FilesSource(sources.Source):
+class FilesSource(base.Source):
   """Documents from local files matched by data.files (and data.validation_files/test_files)."""
 
   def __init__(self, cfg: DataConfig, *, cache_dir: str):
@@ -79,7 +79,7 @@ class FilesSource(sources.Source):
   def _load(self, split: str) -> datasets.Dataset:
     if split in ("train", "validation") and "validation" not in self._files:
       ds = self._read(self._files["train"], where=self._where("train"))
-      return sources.hold_out(ds, fraction=self._cfg.validation_fraction, split=split)
+      return base.hold_out(ds, fraction=self._cfg.validation_fraction, split=split)
     if split in self._files:
       return self._read(self._files[split], where=self._where(split))
     raise DataError(

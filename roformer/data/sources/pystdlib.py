@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import datasets
 
-from roformer.data import sources
+from roformer.data.sources import base
 from roformer.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 EXCLUDED_DIRS = frozenset(
   {"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"}
 )
-# Percent of files per split, in the order of sources.SPLITS.
+# Percent of files per split, in the order of base.SPLITS.
 SPLIT_PERCENT = {"train": 90, "validation": 5, "test": 5}
 _FEATURES = datasets.Features({"text": datasets.Value("string"), "path": datasets.Value("string")})
 
@@ -57,7 +57,7 @@ def _read_files(root: str, relpaths: list[str], content_sha256: str) -> Iterator
       yield {"text": f.read().decode("utf-8", errors="replace"), "path": rel}
 
 
-class PyStdlibSource(sources.Source):
+class PyStdlibSource(base.Source):
   """The standard library of the running interpreter; hashes all files (~0.1 s) and logs sizes."""
 
   def __init__(self, *, cache_dir: str):
@@ -66,8 +66,8 @@ class PyStdlibSource(sources.Source):
     files = stdlib_files(self.root)
     if not files:
       raise DataError(f"data.source='pystdlib': no .py files under {self.root!r}")
-    self.splits: dict[str, list[str]] = {s: [] for s in sources.SPLITS}
-    num_bytes = dict.fromkeys(sources.SPLITS, 0)
+    self.splits: dict[str, list[str]] = {s: [] for s in base.SPLITS}
+    num_bytes = dict.fromkeys(base.SPLITS, 0)
     digest = hashlib.sha256()
     for rel in files:
       with open(os.path.join(self.root, rel), "rb") as f:
@@ -82,7 +82,7 @@ class PyStdlibSource(sources.Source):
       "pystdlib: Python %s at %s: %s; content sha256 %s",
       sys.version.split()[0],
       self.root,
-      "; ".join(f"{s} {len(self.splits[s])} files {num_bytes[s]} bytes" for s in sources.SPLITS),
+      "; ".join(f"{s} {len(self.splits[s])} files {num_bytes[s]} bytes" for s in base.SPLITS),
       self.content_sha256,
     )
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from roformer.nn.attention import kernels as attn
+from roformer.nn.attention import primitives
 
 
 def visited_blocks(length: int, block: int, window: int, causal: bool) -> int:
@@ -63,12 +63,13 @@ def banded_attention(
     qseg_BL = kseg_BS = jnp.zeros((B, L), jnp.int32)
   # [nb, B, b, ...]; padded keys are excluded by `kvalid`.
   k_blocks = tuple(
-    attn.split_blocks(x, b) for x in (k_BLGK, v_BLGK, kpos_BL, kseg_BS, jnp.ones((B, L), bool))
+    primitives.split_blocks(x, b)
+    for x in (k_BLGK, v_BLGK, kpos_BL, kseg_BS, jnp.ones((B, L), bool))
   )
 
   @jax.checkpoint
   def query_block(qi, start, q_BbHK, qpos_Bb, qseg_Bb):
-    q_BbGRK = attn._split_heads(q_BbHK, G)
+    q_BbGRK = primitives.split_heads(q_BbHK, G)
     first = jnp.floor_divide(start - (window - 1), b)
 
     def key_block(carry, j):
@@ -78,20 +79,20 @@ def banded_attention(
         jax.lax.dynamic_index_in_dim(x, jnp.clip(ki, 0, nb - 1), 0, keepdims=False)
         for x in k_blocks
       )
-      mask_BbBb = attn.attention_mask(
+      mask_BbBb = primitives.attention_mask(
         qpos_Bb, kpos_Bb, qseg_Bb, kseg_Bb, causal=causal, window=window, window_kind=window_kind
       )
       mask_B11bb = (mask_BbBb & kvalid_Bb[:, None, :] & inside)[:, None, None]
       m_BGRb, l_BGRb, acc_BGRbK = carry
       bias = None if bias_fn is None else bias_fn(qpos_Bb, kpos_Bb)
-      s_BGRbb = jnp.where(mask_B11bb, attn._scores(q_BbGRK, k_BbGK, bias), attn._NEG)
+      s_BGRbb = jnp.where(mask_B11bb, primitives.scores(q_BbGRK, k_BbGK, bias), primitives.NEG)
       m_new_BGRb = jnp.maximum(m_BGRb, s_BGRbb.max(axis=-1))
       p_BGRbb = jnp.where(mask_B11bb, jnp.exp(s_BGRbb - m_new_BGRb[..., None]), 0.0)
       correction_BGRb = jnp.exp(m_BGRb - m_new_BGRb)
       l_new_BGRb = l_BGRb * correction_BGRb + p_BGRbb.sum(axis=-1)
       if dropout_key is not None:
         key = jax.random.fold_in(jax.random.fold_in(dropout_key, qi), ki)
-        p_BGRbb = attn.dropout(p_BGRbb, dropout_rate, key)
+        p_BGRbb = primitives.dropout(p_BGRbb, dropout_rate, key)
       pv_BGRbK = jnp.einsum(
         "bgrqk,bkgd->bgrqd",
         p_BGRbb.astype(v_BbGK.dtype),
@@ -101,7 +102,7 @@ def banded_attention(
       return (m_new_BGRb, l_new_BGRb, acc_BGRbK * correction_BGRb[..., None] + pv_BGRbK), None
 
     init = (
-      jnp.full((B, G, R, b), attn._NEG, jnp.float32),
+      jnp.full((B, G, R, b), primitives.NEG, jnp.float32),
       jnp.zeros((B, G, R, b), jnp.float32),
       jnp.zeros((B, G, R, b, K), jnp.float32),
     )

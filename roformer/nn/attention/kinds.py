@@ -19,9 +19,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from roformer.nn.attention import kv_cache
-from roformer.nn.attention.kernels import KERNELS, Attention, dense_attention
+from roformer.nn.attention.kernels import KERNELS, dense_attention
 from roformer.nn.attention.linear import LinearAttention
 from roformer.nn.attention.mla import MLAttention
+from roformer.nn.attention.softmax import Attention
 
 
 class SoftmaxAttention(Attention):

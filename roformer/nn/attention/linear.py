@@ -26,7 +26,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from roformer.nn.attention.kernels import Attention, split_blocks
+from roformer.nn.attention.primitives import split_blocks
+from roformer.nn.attention.softmax import Attention
 
 FEATURE_MAPS = ("elu", "favor")
 _FAVOR_SEED = 0  # the random features are a fixed function of the seed, not parameters

@@ -25,7 +25,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from roformer.nn.attention import kv_cache
-from roformer.nn.attention.kernels import KERNELS, _kernel_init, dense_attention
+from roformer.nn.attention.kernels import KERNELS, dense_attention
+from roformer.nn.attention.softmax import kernel_init
 from roformer.posenc.rope_scaling import mla_softmax_factor
 
 
@@ -62,7 +63,7 @@ class MLAttention(nnx.Module):
 
     def up(din, dout, names):
       return nnx.Einsum(
-        "BLP,PHK->BLHK", (din, H, dout), None, kernel_init=_kernel_init(0, (1, 2), names),
+        "BLP,PHK->BLHK", (din, H, dout), None, kernel_init=kernel_init(0, (1, 2), names),
         **common,
       )  # fmt: skip
 
@@ -78,7 +79,7 @@ class MLAttention(nnx.Module):
     self.kv_up = up(P, 2 * N, (None, "heads", "kv"))
     self.out = nnx.Einsum(
       "BLHK,HKD->BLD", (H, N, D), (D,) if cfg.use_bias else None,
-      kernel_init=_kernel_init((0, 1), 2, ("heads", "kv", "embed")),
+      kernel_init=kernel_init((0, 1), 2, ("heads", "kv", "embed")),
       bias_init=nnx.with_partitioning(nnx.initializers.zeros, ("embed",)), **common,
     )  # fmt: skip
 

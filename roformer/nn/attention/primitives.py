@@ -1,0 +1,123 @@
+"""The pieces every attention kernel shares: masks, scaled scores, head grouping, blocks, dropout.
+
+Dimension legend: B batch, L query length, S key length, H query heads, G key/value heads,
+R = H // G query heads per key/value head, K head dim.
+"""
+
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+# (qpos_BL, kpos_BS) -> float32 [B, H, L, S] or None: the positional bias of one block of positions.
+BiasFn = Callable[[jax.Array, jax.Array], jax.Array | None]
+
+
+# (q_BLHK, k_BSGK, mask_BLS) -> float32 [B, H, L, S]: a content-dependent bias (CoPE).
+ContentBiasFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+
+
+# Masked logits get a large finite value, not -inf, so that a block whose keys are all masked gives
+# exp(NEG - NEG) = 1 instead of NaN; masked probabilities are then zeroed explicitly.
+NEG = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def check_ranks(q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS):
+  if q_BLHK.ndim != 4 or k_BSGK.ndim != 4 or v_BSGK.shape != k_BSGK.shape:
+    raise ValueError(
+      f"attention expects q [B, L, H, K] and k, v [B, S, G, K]; got {q_BLHK.shape}, "
+      f"{k_BSGK.shape}, {v_BSGK.shape}"
+    )
+  if q_BLHK.shape[2] % k_BSGK.shape[2]:
+    raise ValueError(f"{q_BLHK.shape[2]} query heads are not a multiple of {k_BSGK.shape[2]}")
+  if qpos_BL.shape != q_BLHK.shape[:2] or kpos_BS.shape != k_BSGK.shape[:2]:
+    raise ValueError(f"positions {qpos_BL.shape}, {kpos_BS.shape} do not match q and k")
+
+
+WINDOW_KINDS = ("sliding", "blockwise")
+
+
+def attention_mask(
+  qpos_BL,
+  kpos_BS,
+  qseg_BL=None,
+  kseg_BS=None,
+  *,
+  causal,
+  window=0,
+  window_kind="sliding",
+  global_tokens=0,
+):
+  """Which keys each query may attend to.
+
+  Args:
+    qpos_BL, kpos_BS: int positions of queries and keys.
+    qseg_BL, kseg_BS: int segment ids (None: one segment); keys must share the query's id.
+    causal: keys must not come after the query (kpos <= qpos).
+    window: if > 0, limits the keys by `window_kind`.
+    window_kind: "sliding": keys within `window` positions of the query (|qpos - kpos| < window,
+      which for causal attention is qpos - kpos < window). "blockwise": xPos's blockwise causal
+      attention (BCA, the LeX code): positions fall in blocks of window / 2, and a query sees
+      keys of its own block and of the block before (kpos // b >= qpos // b - 1 with
+      b = window // 2), so between window / 2 and `window` keys and no distance of `window` or
+      more; inputs of at most `window` positions see every earlier key.
+    global_tokens: with a window, positions below this attend to and are attended by every
+      key and query of their segment (Longformer's global attention).
+
+  Returns:
+    bool [B, L, S].
+  """
+  qpos_BL1 = qpos_BL[:, :, None]
+  kpos_B1S = kpos_BS[:, None, :]
+  mask_BLS = jnp.ones(qpos_BL.shape + kpos_BS.shape[1:], dtype=bool)
+  if qseg_BL is not None:
+    mask_BLS &= qseg_BL[:, :, None] == kseg_BS[:, None, :]
+  if causal:
+    mask_BLS &= kpos_B1S <= qpos_BL1
+  if window > 0 and window_kind == "blockwise":
+    half = max(1, window // 2)
+    mask_BLS &= kpos_B1S // half >= qpos_BL1 // half - 1
+  elif window > 0:
+    near_BLS = jnp.abs(qpos_BL1 - kpos_B1S) < window
+    if global_tokens > 0:
+      near_BLS |= (qpos_BL1 < global_tokens) | (kpos_B1S < global_tokens)
+    mask_BLS &= near_BLS
+  return mask_BLS
+
+
+def scores(q_BLGRK, k_BSGK, bias_BHLS):
+  """Scaled logits in float32 [B, G, R, L, S] (bf16 inputs, fp32 accumulation)."""
+  B, L, G, R, K = q_BLGRK.shape
+  s_BGRLS = jnp.einsum("blgrk,bsgk->bgrls", q_BLGRK, k_BSGK, preferred_element_type=jnp.float32)
+  s_BGRLS = s_BGRLS * (1.0 / math.sqrt(K))
+  if bias_BHLS is not None:
+    s_BGRLS = s_BGRLS + bias_BHLS.astype(jnp.float32).reshape(bias_BHLS.shape[0], G, R, L, -1)
+  return s_BGRLS
+
+
+def dropout(x, rate, key):
+  """Inverted dropout; identity when `key` is None or `rate` is 0."""
+  if key is None or rate == 0.0:
+    return x
+  keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+  return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x))
+
+
+def split_heads(q_BLHK, num_kv_heads):
+  # Query head h = g * R + r uses key/value head g (the usual GQA grouping).
+  B, L, H, K = q_BLHK.shape
+  return q_BLHK.reshape(B, L, num_kv_heads, H // num_kv_heads, K)
+
+
+def split_blocks(x_BT, block, value=0):
+  """[B, T, ...] -> [N, B, block, ...] with N = ceil(T / block), padding T with `value`.
+
+  The leading axis is the one mapped or scanned over.
+  """
+  B, T = x_BT.shape[:2]
+  n = -(-T // block)
+  widths = [(0, 0)] * x_BT.ndim
+  widths[1] = (0, n * block - T)
+  x_BT = jnp.pad(x_BT, widths, constant_values=value)
+  return jnp.moveaxis(x_BT.reshape(B, n, block, *x_BT.shape[2:]), 1, 0)
