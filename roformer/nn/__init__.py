@@ -1,1 +1,9 @@
-"""TODO"""
+"""The model: encoder and decoder stacks, their layers and attention (roformer/nn/attention/).
+
+Positions enter only through a `roformer.posenc` encoding; nothing here reads a run config, data
+or devices.
+"""
+
+from roformer.nn.model import Decoder, Encoder, ModelConfig, make_model, validate_model
+
+__all__ = ["Decoder", "Encoder", "ModelConfig", "make_model", "validate_model"]

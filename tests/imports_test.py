@@ -1,0 +1,146 @@
+"""The package layering of roformer/: imports point one way and form no circle.
+
+Every import counts, module level or inside a function (a local import is still a dependency);
+only imports under `if TYPE_CHECKING:` are left out, since they never run.
+"""
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent / "roformer"
+
+# What each unit may import besides itself (a unit is a top-level module or package of roformer/).
+# A dotted entry allows that module only, e.g. the config takes the mesh config from the sharding
+# and training scores perplexity with the evaluation's scorer, nothing else of either package.
+ALLOWED = {
+  "errors": set(),
+  "posenc": {"errors"},
+  "data": {"errors"},
+  "infra": {"errors"},
+  "nn": {"posenc", "errors"},
+  "hf": {"nn", "posenc", "errors"},
+  "config": {"nn", "data", "posenc", "infra.sharding", "errors"},
+  "runs": {"config", "infra", "nn", "data", "posenc", "errors"},
+  "generate": {"runs", "config", "nn", "data", "posenc", "errors"},
+  "evals": {"runs", "config", "infra", "nn", "data", "posenc", "errors"},
+  "train": {"config", "infra", "data", "nn", "posenc", "hf", "evals.perplexity", "errors"},
+}
+
+
+def _module_name(path: pathlib.Path) -> str:
+  parts = path.relative_to(ROOT.parent).with_suffix("").parts
+  return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+
+
+def _resolve(name: str) -> str | None:
+  """The longest prefix of `name` that is a module of roformer/."""
+  parts = name.split(".")
+  for end in range(len(parts), 0, -1):
+    if ".".join(parts[:end]) in MODULES:
+      return ".".join(parts[:end])
+  return None
+
+
+def _type_checking_nodes(tree: ast.AST) -> set[int]:
+  skipped = set()
+  for node in ast.walk(tree):
+    if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+      skipped |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+  return skipped
+
+
+def imports_of(module: str) -> set[str]:
+  """The roformer modules `module` imports (a name imported from a package resolves to its
+  submodule when it is one)."""
+  tree = ast.parse(MODULES[module].read_text())
+  skipped = _type_checking_nodes(tree)
+  found = set()
+  for node in ast.walk(tree):
+    if id(node) in skipped:
+      continue
+    if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+      if node.module.split(".")[0] == "roformer":
+        for alias in node.names:
+          found.add(_resolve(f"{node.module}.{alias.name}") or _resolve(node.module))
+    elif isinstance(node, ast.Import):
+      found |= {_resolve(a.name) for a in node.names if a.name.split(".")[0] == "roformer"}
+  found.discard(None)
+  found.discard(module)
+  return found
+
+
+def _unit(module: str) -> str:
+  parts = module.split(".")
+  return parts[1] if len(parts) > 1 else ""
+
+
+def _allowed(source: str, target: str) -> bool:
+  unit, target_unit = _unit(source), _unit(target)
+  if target == "roformer" or unit == target_unit:
+    return True
+  rules = ALLOWED.get(unit)
+  assert rules is not None, f"{source}: roformer/{unit} has no layering rule in ALLOWED"
+  short = target.removeprefix("roformer.")
+  return target_unit in rules or any(short == r or short.startswith(r + ".") for r in rules)
+
+
+def test_every_unit_has_a_layering_rule():
+  units = {_unit(m) for m in MODULES} - {""}
+  assert units <= set(ALLOWED), f"units without a rule: {sorted(units - set(ALLOWED))}"
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_imports_point_down_the_layers(module):
+  wrong = sorted(t for t in imports_of(module) if not _allowed(module, t))
+  assert not wrong, f"{module} imports {wrong}, against ALLOWED[{_unit(module)!r}]"
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str]:
+  """One import circle of `graph` as a path [a, b, ..., a], or [] if there is none."""
+  state, stack = {}, []
+
+  def visit(node):
+    state[node] = "open"
+    stack.append(node)
+    for nxt in sorted(graph.get(node, ())):
+      if state.get(nxt) == "open":
+        return stack[stack.index(nxt) :] + [nxt]
+      if nxt not in state and (cycle := visit(nxt)):
+        return cycle
+    state[node] = "done"
+    stack.pop()
+    return []
+
+  for node in sorted(graph):
+    if node not in state and (cycle := visit(node)):
+      return cycle
+  return []
+
+
+def test_no_import_circle():
+  graph = {m: imports_of(m) for m in MODULES}
+  # A package's __init__ may gather its own submodules; a submodule importing its package's
+  # __init__ back is then a circle like any other.
+  cycle = find_cycle(graph)
+  assert not cycle, "import circle: " + " -> ".join(cycle)
+
+
+def test_the_checks_catch_a_violation_and_a_circle():
+  # Negative controls: the rules refuse what the layering forbids, and the search finds circles.
+  assert not _allowed("roformer.posenc.rope", "roformer.nn.model")
+  assert not _allowed("roformer.infra.sharding", "roformer.config")
+  assert not _allowed("roformer.evals.ppl_vs_length", "roformer.train.loop")
+  assert not _allowed("roformer.train.loop", "roformer.evals.ppl_vs_length")
+  assert _allowed("roformer.train.loop", "roformer.evals.perplexity")
+  assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+  assert find_cycle({"a": {"b"}, "b": set()}) == []
+  # The reader sees real edges, local imports included, and skips TYPE_CHECKING ones.
+  assert "roformer.evals.perplexity" in imports_of("roformer.train.loop")
+  assert "roformer.data.sources" in imports_of("roformer.data.tokenizer")  # a local import
+  assert "roformer.data.batches" in imports_of("roformer.data.corpus")
+  assert "roformer.data.corpus" not in imports_of("roformer.data.batches")
