@@ -3,10 +3,6 @@
 import functools
 import time
 
-from roformer.train import optimizer
-from roformer.train import state as train_state
-from roformer.train import step as step_lib
-
 # The tokenizer's vocabulary size, without training one: bytes has 261 ids.
 BYTES_VOCAB = 261
 
@@ -47,6 +43,9 @@ class JaxTrainer:
     import numpy as np
 
     from roformer.infra import sharding
+    from roformer.train import optimizer
+    from roformer.train import state as train_state
+    from roformer.train import step as step_lib
 
     self.rc = rc
     mesh, rules = sharding.make_mesh(rc.mesh), sharding.axis_rules(rc.mesh)
@@ -102,6 +101,9 @@ def compile_train_step(rc, devices) -> dict:
   import jax.numpy as jnp
 
   from roformer.infra import sharding
+  from roformer.train import optimizer
+  from roformer.train import state as train_state
+  from roformer.train import step as step_lib
 
   mesh = sharding.make_mesh(rc.mesh, devices=devices)
   rules = sharding.axis_rules(rc.mesh)

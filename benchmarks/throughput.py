@@ -32,8 +32,6 @@ import bench_step
 from absl import app, flags
 from ml_collections import config_flags
 
-from roformer.train import step as step_lib
-
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _REPO)
 
@@ -91,6 +89,7 @@ def flops_per_token(rc, *, head_fraction: float = 1.0) -> float:
 
 def executed_head_fraction(rc) -> float:
   """Fraction of positions the train step runs the output layer at."""
+  from roformer.train import step as step_lib
 
   capacity = step_lib.train_step_options(rc)["max_predictions"]
   return capacity / rc.data.seq_len if capacity else 1.0

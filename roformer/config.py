@@ -124,7 +124,12 @@ def _build(cls: type, values: Mapping, prefix: str, **nested: Any) -> Any:
       continue
     kwargs[key] = _coerce(value, hints[key], f"{prefix}.{key}")
   kwargs.update(nested)
-  return cls(**kwargs)
+  try:
+    return cls(**kwargs)
+  except ConfigError:
+    raise
+  except ValueError as e:  # a config's own checks (a ModelConfig validates itself when built)
+    raise ConfigError(str(e)) from e
 
 
 def _rules(value: Any) -> tuple:
@@ -150,7 +155,7 @@ def _rules(value: Any) -> tuple:
   return tuple(rules)
 
 
-# ---- Value checks (the model's own are in roformer.model.validate_model) ----
+# ---- Value checks (a ModelConfig checks itself: roformer.nn.model.validate_model) ----
 
 
 def _check(ok: bool, message: str) -> None:
@@ -268,16 +273,6 @@ def _validate_mesh(mesh: MeshConfig) -> None:
   )
 
 
-def _validate_model(model: ModelConfig, seq_len: int) -> None:
-  """The model's own checks (heads, posenc, lengths, ...), as ConfigError."""
-  try:
-    model_lib.validate_model(model, seq_len=seq_len)
-  except ConfigError:
-    raise
-  except ValueError as e:
-    raise ConfigError(str(e)) from e
-
-
 def run_config_from_dict(config: Any, *, vocab_size: int | None = None) -> RunConfig:
   """Validates a whole configuration and returns it as frozen dataclasses.
 
@@ -329,7 +324,8 @@ def run_config_from_dict(config: Any, *, vocab_size: int | None = None) -> RunCo
   rules = _rules(mesh_values.get("rules", MeshConfig.rules))
   mesh = _build(MeshConfig, mesh_values, "mesh", rules=rules)
   _validate_mesh(mesh)
-  _validate_model(model, data.seq_len)
+  too_long = model_lib.unsupported_length(model, data.seq_len)
+  _check(too_long is None, str(too_long))
   _check(
     posenc.randomize_max == 0 or posenc.randomize_max >= data.seq_len,
     f"posenc.randomize_max={posenc.randomize_max} must be 0 (consecutive positions) or >= "

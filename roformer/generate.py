@@ -108,7 +108,9 @@ def _check(model, prompt_BP, max_new_tokens, temperature, top_k, top_p):
   if not 0.0 < top_p <= 1.0:
     raise ValueError(f"top_p={top_p} must be in (0, 1] (1 = no nucleus filter)")
   # E.g. a learned position table must cover every generated position.
-  model_lib.validate_model(model.cfg, seq_len=prompt_BP.shape[1] + max_new_tokens)
+  too_long = model_lib.unsupported_length(model.cfg, prompt_BP.shape[1] + max_new_tokens)
+  if too_long:
+    raise ValueError(too_long)
   _check_cache_memory(model, prompt_BP.shape[0], prompt_BP.shape[1] + max_new_tokens)
 
 

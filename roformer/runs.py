@@ -102,9 +102,7 @@ def eval_model_config(
     )
   # The dense kernel materialises [L, L] scores; "auto" is the same kernel for short windows.
   impl = "auto" if model_cfg.attention_impl == "dense" else model_cfg.attention_impl
-  cfg = dataclasses.replace(model_cfg, posenc=posenc, attention_impl=impl, **window)
-  model_lib.validate_model(cfg)
-  return cfg
+  return dataclasses.replace(model_cfg, posenc=posenc, attention_impl=impl, **window)
 
 
 def with_config(model, cfg):
@@ -122,11 +120,7 @@ def unsupported_length(model_cfg, length: int) -> str | None:
       f"a run trained with randomized positions is evaluated at a sorted subset of [0, "
       f"posenc.randomize_max={randomize_max}), which has no {length} distinct positions"
     )
-  try:
-    model_lib.validate_model(model_cfg, seq_len=length)
-  except ValueError as e:
-    return str(e)
-  return None
+  return model_lib.unsupported_length(model_cfg, length)
 
 
 def restore_for_eval(workdir, run_config, model_cfg, *, step: int | None = None):

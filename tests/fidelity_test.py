@@ -3,6 +3,7 @@ xPos span, blockwise causal attention, centred encoder windows, packed evaluatio
 
 import json
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +19,7 @@ from roformer.evals import plots as eval_plot
 from roformer.evals import ppl_vs_length as eval_run
 from roformer.nn.attention import kernels as attention
 from roformer.nn.attention import primitives
-from roformer.nn.model import ModelConfig, make_model, resolve_embed_scale, validate_model
+from roformer.nn.model import ModelConfig, make_model, resolve_embed_scale, unsupported_length
 from roformer.posenc import POSENCS, sinusoidal_embedding
 from roformer.posenc.config import PosEncConfig
 from roformer.posenc.rope import xpos_max_span
@@ -84,7 +85,7 @@ def test_embed_scale_none_keeps_berts_table_and_sqrt_d_overrides_any_encoding():
 
 def test_embed_scale_rejects_unknown_values():
   with pytest.raises(ValueError, match="model.embed_scale='big' is not one of"):
-    validate_model(ModelConfig(embed_scale="big"))
+    ModelConfig(embed_scale="big")
 
 
 # ---- Weight decay ----
@@ -129,9 +130,10 @@ def test_xpos_refuses_spans_its_float32_scales_cannot_hold():
   limit = xpos_max_span(cfg)
   assert 60_000 < limit < 72_000  # the defaults (gamma 0.4, scale_base 512)
   decoder = ModelConfig(posenc=cfg)
-  validate_model(decoder, seq_len=limit)
-  with pytest.raises(ValueError, match="exceeds the .* positions posenc.kind='xpos' can scale"):
-    validate_model(decoder, seq_len=limit + 2)
+  assert unsupported_length(decoder, limit) is None
+  assert re.search(
+    "exceeds the .* positions posenc.kind='xpos' can scale", unsupported_length(decoder, limit + 2)
+  )
   # At the limit the largest query scale is finite; well past it, it overflows.
   model = _model(posenc="xpos")
   for span, finite in ((limit, True), (int(1.2 * limit), False)):

@@ -26,6 +26,7 @@ ALLOWED = {
   "generate": {"runs", "config", "nn", "data", "posenc", "errors"},
   "evals": {"runs", "config", "infra", "nn", "data", "posenc", "errors"},
   "train": {"config", "infra", "data", "nn", "posenc", "hf", "evals.perplexity", "errors"},
+  "testing": {"config", "nn", "data", "posenc", "errors"},
 }
 
 

@@ -7,21 +7,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from roformer import posenc
+from roformer import posenc, testing
 from roformer.nn.attention import kernels as attention
 from roformer.posenc.config import PosEncConfig
 
 
-def make(kind, *, num_heads=2, head_dim=4, emb_dim=8, causal=True, **fields):
-  with nnx.use_eager_sharding(False):
-    return posenc.make_posenc(
-      PosEncConfig(kind=kind, **fields),
-      num_heads=num_heads,
-      head_dim=head_dim,
-      emb_dim=emb_dim,
-      causal=causal,
-      rngs=nnx.Rngs(0),
-    )
+def make(kind, *, num_heads=2, head_dim=4, emb_dim=8, **fields):
+  return testing.build_posenc(
+    kind, num_heads=num_heads, head_dim=head_dim, emb_dim=emb_dim, **fields
+  )
 
 
 def pos(*values):

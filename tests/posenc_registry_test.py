@@ -1,24 +1,27 @@
 """Tests of the positional-encoding registry and of validate_posenc's errors."""
 
 import dataclasses
+import re
 
 import pytest
-from posenc_test import make
 
 from roformer import posenc
 from roformer.posenc.config import POSENC_KINDS, PosEncConfig, RopeScaling
+from roformer.posenc.rope import xpos_max_span
+from roformer.testing import build_posenc as make
 
 
 def test_registry_covers_every_config_kind():
   assert set(posenc.POSENCS) == set(POSENC_KINDS)
 
 
-@pytest.mark.parametrize("kind", POSENC_KINDS)
-@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize(
+  "kind, causal",
+  [(k, c) for k in POSENC_KINDS for c in (True, False) if c or not posenc.POSENCS[k].causal_only],
+)
 def test_validate_posenc_accepts_good_configs(kind, causal):
-  if posenc.POSENCS[kind].causal_only and not causal:
-    return
-  posenc.validate_posenc(PosEncConfig(kind=kind), causal=causal, head_dim=64, seq_len=512)
+  posenc.validate_posenc(PosEncConfig(kind=kind), causal=causal, head_dim=64)
+  assert posenc.POSENCS[kind].unsupported_length(PosEncConfig(kind=kind), 512) is None
 
 
 _BAD = [
@@ -33,7 +36,6 @@ _BAD = [
     dict(causal=False),
     "posenc.kind='nope' needs a causal decoder.*bag of words",
   ),
-  (dict(kind="learned", max_len=128), dict(seq_len=256), "posenc.max_len=128.*'rope', 'alibi'"),
   (dict(scaling=RopeScaling(kind="linear", factor=0.5)), {}, "posenc.scaling.factor=0.5"),
   (dict(scaling=RopeScaling(kind="yarn", factor=0.9)), {}, "posenc.scaling.factor=0.9"),
   (dict(rope_fraction=0.0), {}, r"posenc.rope_fraction=0.0 must be in \(0, 1\]"),
@@ -61,13 +63,29 @@ _BAD = [
 
 @pytest.mark.parametrize("fields,kwargs,message", _BAD, ids=lambda v: str(v)[:40])
 def test_validate_posenc_rejects_bad_config_naming_the_field(fields, kwargs, message):
-  args = {"causal": True, "head_dim": 64, "seq_len": 0, **kwargs}
+  args = {"causal": True, "head_dim": 64, **kwargs}
   with pytest.raises(ValueError, match=message):
     posenc.validate_posenc(PosEncConfig(**fields), **args)
-  # make_posenc validates too (seq_len is the learned table's concern at embed time).
-  if "seq_len" not in kwargs:
-    with pytest.raises(ValueError, match=message):
-      make(**fields, head_dim=args["head_dim"], causal=args["causal"])
+
+
+def test_an_encoding_says_which_lengths_it_cannot_run():
+  learned = PosEncConfig(kind="learned", max_len=128)
+  assert posenc.POSENCS["learned"].unsupported_length(learned, 128) is None
+  assert re.search(
+    "posenc.max_len=128.*'rope', 'alibi'",
+    posenc.POSENCS["learned"].unsupported_length(learned, 256),
+  )
+  # A learned table must also cover every randomized training position.
+  with pytest.raises(ValueError, match="posenc.max_len=128"):
+    posenc.validate_posenc(
+      dataclasses.replace(learned, randomize_max=256), causal=True, head_dim=64
+    )
+  xpos = PosEncConfig(kind="xpos")
+  span = xpos_max_span(xpos)
+  assert posenc.POSENCS["xpos"].unsupported_length(xpos, span) is None
+  assert "overflow" in posenc.POSENCS["xpos"].unsupported_length(xpos, span + 1)
+  for kind in ("rope", "alibi", "nope"):
+    assert posenc.POSENCS[kind].unsupported_length(PosEncConfig(kind=kind), 1 << 20) is None
 
 
 def test_validate_posenc_leaves_original_len_to_the_config_loader():

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from roformer import posenc
+from roformer import posenc, testing
 from roformer.posenc.config import POSENC_KINDS, PosEncConfig, RopeScaling
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
@@ -20,17 +20,7 @@ with open(os.path.join(FIXTURES, "t5_buckets.json")) as _f:
   T5_BUCKETS = json.load(_f)
 
 
-def make(kind="rope", *, num_heads=4, head_dim=16, emb_dim=64, causal=True, **fields):
-  """Builds an encoding outside any mesh (parameters keep their logical axes as metadata)."""
-  with nnx.use_eager_sharding(False):
-    return posenc.make_posenc(
-      PosEncConfig(kind=kind, **fields),
-      num_heads=num_heads,
-      head_dim=head_dim,
-      emb_dim=emb_dim,
-      causal=causal,
-      rngs=nnx.Rngs(0),
-    )
+make = testing.build_posenc
 
 
 def normal(seed, shape, dtype=jnp.float32):

@@ -114,7 +114,7 @@ def test_sharded_training_matches_one_device(tmp_path):
   assert specs[kernel] == "P('fsdp', 'tensor')"
   assert specs[f"opt_state/1/0/mu/{kernel}"] == specs[kernel]
   assert specs["layers/0/attn/query/kernel"] == "P('fsdp', 'tensor', None)"
-  assert specs["embed/embedding"] == "P(None, 'fsdp')"  # 259 rows: uneven over tensor
+  assert specs["embed/embedding"] == "P(None, 'fsdp')"  # 261 rows: uneven over tensor
 
   single_train, single_eval = train_helpers.read_metrics(tmp_path / "single")
   sharded_train, sharded_eval = train_helpers.read_metrics(tmp_path / "sharded")

@@ -445,3 +445,27 @@ def test_a_log_window_cut_short_by_a_resume_says_how_many_steps_it_covers(tmp_pa
     12: None,
   }
   assert "(train_loss over 2 steps)" in resumed.stderr
+
+
+def test_a_run_validates_its_model_and_encoding_configs_once(tmp_path, monkeypatch):
+  # A ModelConfig checks itself (and its posenc) when built; nothing after the config boundary
+  # checks it again: not the setup, not make_model, not make_posenc, not the evaluation.
+  from roformer.nn import model as model_lib
+  from roformer.train import loop as train_loop
+
+  calls = {"validate_model": 0, "validate_posenc": 0}
+
+  def counted(name):
+    real = getattr(model_lib, name)
+
+    def count(*args, **kwargs):
+      calls[name] += 1
+      return real(*args, **kwargs)
+
+    return count
+
+  for name in calls:
+    monkeypatch.setattr(model_lib, name, counted(name))
+  overrides = {"train.num_train_steps": 2, "train.eval_every_steps": 2}
+  train_loop.train_and_evaluate(train_helpers.tiny_config(overrides), str(tmp_path / "run"))
+  assert calls == {"validate_model": 1, "validate_posenc": 1}

@@ -164,7 +164,7 @@ def fit_spec(spec: P, shape: tuple, mesh: Mesh) -> P:
 
 def state_shardings(abstract: Any, mesh: Mesh, rules: tuple) -> Any:
   """NamedShardings of an nnx state from its logical annotations (uneven dimensions replicated,
-  e.g. a 259-entry byte vocabulary over 2 tensor shards)."""
+  e.g. the 261-entry byte vocabulary over 2 tensor shards)."""
   with nnx.logical_axis_rules(rules):
     specs = nnx.get_partition_spec(abstract)
   return jax.tree.map(lambda a, s: NamedSharding(mesh, fit_spec(s, a.shape, mesh)), abstract, specs)

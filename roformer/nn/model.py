@@ -38,7 +38,8 @@ REMAT_POLICIES = {
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   kind: str = "decoder"  # encoder (MLM) | decoder (causal LM)
-  vocab_size: int = 259  # from the tokenizer
+  # The bytes tokenizer's (data.tokenizer="bytes"); training sets the tokenizer's.
+  vocab_size: int = 261
   num_layers: int = 2
   emb_dim: int = 128
   num_heads: int = 4
@@ -78,6 +79,10 @@ class ModelConfig:
   qk_rope_head_dim: int = 0  # mla: width of the rotary key shared by all heads
   posenc: PosEncConfig = PosEncConfig()
 
+  def __post_init__(self):
+    # Validated once, when built: the library trusts a ModelConfig that exists.
+    validate_model(self)
+
 
 def resolve_head_dim(cfg: ModelConfig) -> int:
   return cfg.head_dim or cfg.emb_dim // cfg.num_heads
@@ -103,12 +108,11 @@ def layer_windows(cfg: ModelConfig) -> tuple[int, ...]:
 
 
 def make_model(cfg: ModelConfig, *, rngs: nnx.Rngs) -> "Encoder | Decoder":
-  """Validates `cfg` and builds the Encoder or Decoder it describes.
+  """The Encoder or Decoder `cfg` describes (validated when it was built).
 
   Parameters carry logical axis names. Under a mesh (`jax.set_mesh` with logical axis rules) they
   are created sharded; without one they are created unsharded on the default device.
   """
-  validate_model(cfg)
   with nnx.use_eager_sharding(not jax.sharding.get_abstract_mesh().empty):
     return MODELS[cfg.kind](cfg, rngs=rngs)
 
@@ -118,12 +122,11 @@ def _check_choice(field, value, allowed):
     raise ValueError(f"{field}={value!r} is not one of {list(allowed)}")
 
 
-def validate_model(cfg: ModelConfig, *, seq_len: int = 0) -> None:
+def validate_model(cfg: ModelConfig) -> None:
   """Raises ValueError naming the field and its allowed values for every bad setting.
 
-  Args:
-    cfg: the model config (its posenc is validated too, causal for decoders).
-    seq_len: the length the model will run at, if known (learned positions must cover it).
+  Runs when a ModelConfig is built; its posenc is validated too (causal for decoders). Whether
+  the model can run at a given length is `unsupported_length`.
   """
   _check_choice("model.kind", cfg.kind, MODELS)
   _check_choice("model.activation", cfg.activation, ACTIVATIONS)
@@ -175,9 +178,13 @@ def validate_model(cfg: ModelConfig, *, seq_len: int = 0) -> None:
     cfg.posenc,
     causal=cfg.kind == "decoder",
     head_dim=attention.rotary_head_dim(cfg, resolve_head_dim(cfg)),
-    seq_len=seq_len,
     attention_impl=cfg.attention_impl,
   )
+
+
+def unsupported_length(cfg: ModelConfig, length: int) -> str | None:
+  """Why the model of `cfg` cannot run sequences of `length` positions, or None."""
+  return POSENCS[cfg.posenc.kind].unsupported_length(cfg.posenc, length)
 
 
 def _check_windows(cfg: ModelConfig) -> None:

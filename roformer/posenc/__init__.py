@@ -45,7 +45,6 @@ def validate_posenc(
   *,
   causal: bool,
   head_dim: int,
-  seq_len: int = 0,
   attention_impl: str = "auto",
 ) -> None:
   """Raises ValueError, naming the config field and its allowed values, for a bad posenc config.
@@ -54,7 +53,6 @@ def validate_posenc(
     cfg: the positional-encoding config.
     causal: True for a decoder, False for an encoder.
     head_dim: the model's per-head dim (model.head_dim after its default is resolved).
-    seq_len: the training or evaluation length, 0 if unknown (checked against posenc.max_len).
     attention_impl: the model's kernel (an encoding with a content bias needs dense or auto).
   """
   if cfg.kind not in POSENCS:
@@ -100,8 +98,10 @@ def validate_posenc(
       f"(posenc.kind in {rotary}), not posenc.kind={cfg.kind!r}; "
       "set posenc.scaling.kind='none'"
     )
+  cls.check_config(cfg, causal=causal, head_dim=head_dim)
   # Randomized training positions reach randomize_max - 1: a learned table must cover them.
-  cls.check_config(cfg, causal=causal, head_dim=head_dim, seq_len=max(seq_len, cfg.randomize_max))
+  if cfg.randomize_max and (reason := cls.unsupported_length(cfg, cfg.randomize_max)):
+    raise ValueError(reason)
 
 
 def make_posenc(
@@ -115,8 +115,8 @@ def make_posenc(
   embed_init_std: float = 0.02,
   rngs: nnx.Rngs,
 ) -> PosEnc:
-  """Validates `cfg` and builds the encoding `POSENCS[cfg.kind]` (one per model)."""
-  validate_posenc(cfg, causal=causal, head_dim=head_dim)
+  """The encoding `POSENCS[cfg.kind]` (one per model) of a validated `cfg` (a ModelConfig
+  validates its posenc when it is built)."""
   return POSENCS[cfg.kind](
     cfg,
     num_heads=num_heads,

@@ -66,12 +66,14 @@ class Learned(PosEnc):
     self.table = nnx.Param(init(rngs.params(), (cfg.max_len, emb_dim), self.param_dtype))
 
   @classmethod
-  def check_config(cls, cfg: PosEncConfig, *, causal: bool, head_dim: int, seq_len: int) -> None:
-    super().check_config(cfg, causal=causal, head_dim=head_dim, seq_len=seq_len)
+  def check_config(cls, cfg: PosEncConfig, *, causal: bool, head_dim: int) -> None:
+    super().check_config(cfg, causal=causal, head_dim=head_dim)
     if cfg.max_len <= 0:
       raise ValueError(f"posenc.max_len={cfg.max_len} must be > 0 for posenc.kind='learned'")
-    if seq_len > cfg.max_len:
-      raise ValueError(_too_long_message(seq_len, cfg.max_len))
+
+  @classmethod
+  def unsupported_length(cls, cfg: PosEncConfig, length: int) -> str | None:
+    return _too_long_message(length, cfg.max_len) if length > cfg.max_len else None
 
   decays_parameters = True
 

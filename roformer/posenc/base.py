@@ -66,9 +66,17 @@ class PosEnc(nnx.Module):
     self.param_dtype = jnp.dtype(param_dtype)
 
   @classmethod
-  def check_config(cls, cfg: PosEncConfig, *, causal: bool, head_dim: int, seq_len: int) -> None:
+  def check_config(cls, cfg: PosEncConfig, *, causal: bool, head_dim: int) -> None:
     """Raises ValueError for settings this encoding cannot honour (see `validate_posenc`)."""
-    del cfg, causal, head_dim, seq_len
+    del cfg, causal, head_dim
+
+  @classmethod
+  def unsupported_length(cls, cfg: PosEncConfig, length: int) -> str | None:
+    """Why this encoding cannot run sequences of `length` positions (e.g. a learned table too
+    short), or None. Randomized training positions reach posenc.randomize_max - 1, so a run
+    config asks about max(data.seq_len, posenc.randomize_max)."""
+    del cfg, length
+    return None
 
   @classmethod
   def per_layer(cls, cfg: PosEncConfig) -> bool:

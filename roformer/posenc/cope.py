@@ -85,8 +85,8 @@ class Cope(PosEnc):
     return not cfg.cope_shared
 
   @classmethod
-  def check_config(cls, cfg: PosEncConfig, *, causal: bool, head_dim: int, seq_len: int) -> None:
-    super().check_config(cfg, causal=causal, head_dim=head_dim, seq_len=seq_len)
+  def check_config(cls, cfg: PosEncConfig, *, causal: bool, head_dim: int) -> None:
+    super().check_config(cfg, causal=causal, head_dim=head_dim)
     if cfg.cope_npos_max == 1 or cfg.cope_npos_max < 0:
       raise ValueError(
         f"posenc.cope_npos_max={cfg.cope_npos_max} must be >= 2, or 0 (= data.seq_len + 1)"

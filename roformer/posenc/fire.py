@@ -75,8 +75,8 @@ class Fire(PosEnc):
     return not cfg.fire_shared
 
   @classmethod
-  def check_config(cls, cfg: PosEncConfig, *, causal: bool, head_dim: int, seq_len: int) -> None:
-    super().check_config(cfg, causal=causal, head_dim=head_dim, seq_len=seq_len)
+  def check_config(cls, cfg: PosEncConfig, *, causal: bool, head_dim: int) -> None:
+    super().check_config(cfg, causal=causal, head_dim=head_dim)
     if cfg.fire_mlp_width < 1:
       raise ValueError(f"posenc.fire_mlp_width={cfg.fire_mlp_width} must be >= 1")
     if not cfg.fire_init_c > 0:

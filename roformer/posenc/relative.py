@@ -133,8 +133,8 @@ class T5Bias(PosEnc):
     self.table = nnx.Param(init(rngs.params(), (num_heads, cfg.t5_num_buckets), self.param_dtype))
 
   @classmethod
-  def check_config(cls, cfg: PosEncConfig, *, causal: bool, head_dim: int, seq_len: int) -> None:
-    super().check_config(cfg, causal=causal, head_dim=head_dim, seq_len=seq_len)
+  def check_config(cls, cfg: PosEncConfig, *, causal: bool, head_dim: int) -> None:
+    super().check_config(cfg, causal=causal, head_dim=head_dim)
     if cfg.t5_num_buckets < 4:
       raise ValueError(f"posenc.t5_num_buckets={cfg.t5_num_buckets} must be >= 4")
     if cfg.t5_max_distance <= cfg.t5_num_buckets // 2:

@@ -149,8 +149,8 @@ class Rope(PosEnc):
     check_scaling(cfg.scaling)  # here the original length must be known
 
   @classmethod
-  def check_config(cls, cfg: PosEncConfig, *, causal: bool, head_dim: int, seq_len: int) -> None:
-    super().check_config(cfg, causal=causal, head_dim=head_dim, seq_len=seq_len)
+  def check_config(cls, cfg: PosEncConfig, *, causal: bool, head_dim: int) -> None:
+    super().check_config(cfg, causal=causal, head_dim=head_dim)
     if head_dim % 2:
       raise ValueError(
         f"model.head_dim={head_dim} must be even for posenc.kind={cfg.kind!r} "
@@ -234,14 +234,16 @@ class XPos(Rope):
   paper_embed_scale = "sqrt_d"
 
   @classmethod
-  def check_config(cls, cfg: PosEncConfig, *, causal: bool, head_dim: int, seq_len: int) -> None:
-    super().check_config(cfg, causal=causal, head_dim=head_dim, seq_len=seq_len)
+  def check_config(cls, cfg: PosEncConfig, *, causal: bool, head_dim: int) -> None:
+    super().check_config(cfg, causal=causal, head_dim=head_dim)
     if not cfg.xpos_gamma > 0:
       raise ValueError(f"posenc.xpos_gamma={cfg.xpos_gamma} must be > 0")
     if not cfg.xpos_scale_base > 0:
       raise ValueError(f"posenc.xpos_scale_base={cfg.xpos_scale_base} must be > 0")
-    if seq_len > xpos_max_span(cfg):
-      raise ValueError(_xpos_span_message(seq_len, cfg))
+
+  @classmethod
+  def unsupported_length(cls, cfg: PosEncConfig, length: int) -> str | None:
+    return _xpos_span_message(length, cfg) if length > xpos_max_span(cfg) else None
 
   def log_zeta(self) -> np.ndarray:
     """ln zeta_i, float32 [d/2]."""

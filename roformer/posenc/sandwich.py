@@ -45,8 +45,8 @@ class Sandwich(PosEnc):
     self.dim = cfg.sandwich_dim or emb_dim
 
   @classmethod
-  def check_config(cls, cfg: PosEncConfig, *, causal: bool, head_dim: int, seq_len: int) -> None:
-    super().check_config(cfg, causal=causal, head_dim=head_dim, seq_len=seq_len)
+  def check_config(cls, cfg: PosEncConfig, *, causal: bool, head_dim: int) -> None:
+    super().check_config(cfg, causal=causal, head_dim=head_dim)
     if cfg.sandwich_dim < 0 or cfg.sandwich_dim == 1:
       raise ValueError(
         f"posenc.sandwich_dim={cfg.sandwich_dim} must be 0 (= model.emb_dim) or >= 2"

@@ -25,7 +25,6 @@ from roformer.errors import NonFiniteLossError
 from roformer.evals import perplexity as eval_lib
 from roformer.infra import checkpoint, metrics_log, preemption, prefetch, sharding
 from roformer.infra import workdir as workdir_lib
-from roformer.nn import model as model_lib
 from roformer.posenc import POSENCS
 from roformer.train import state as train_state
 from roformer.train import step as train_step_lib
@@ -247,14 +246,13 @@ def _setup(run_config: RunConfig, workdir: epath.Path) -> Setup:
   """Everything that can fail on bad input, before any compiling or checkpoint is touched."""
   _check_or_replace_config(run_config, workdir)
   if jax.process_count() > 1:
-    preemption.sync_processes(
-      "config checked"
-    )  # process 0 may have moved an earlier attempt's files
+    # Process 0 may have moved an earlier attempt's files.
+    preemption.sync_processes("config checked")
   _warn_about_schedule(run_config)
   corpus = data_lib.load_corpus(run_config.data, workdir=str(workdir))
-  model_cfg = dataclasses.replace(run_config.model, vocab_size=corpus.tokenizer.vocab_size)
-  run_config = dataclasses.replace(run_config, model=model_cfg)
-  model_lib.validate_model(run_config.model, seq_len=run_config.data.seq_len)
+  if run_config.model.vocab_size != corpus.tokenizer.vocab_size:  # a new config, checked anew
+    model_cfg = dataclasses.replace(run_config.model, vocab_size=corpus.tokenizer.vocab_size)
+    run_config = dataclasses.replace(run_config, model=model_cfg)
   mesh = sharding.make_mesh(run_config.mesh)
   rules = sharding.axis_rules(run_config.mesh)
   train, optim = run_config.train, run_config.optim
