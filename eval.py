@@ -92,20 +92,18 @@ def main(argv):
   try:
     _check_flag_combinations()
     if FLAGS.compare:
-      from roformer.evals import plots as eval_plot  # plotting only: no JAX needed
+      from roformer.evals import plots  # plotting only: no JAX needed
 
       if not FLAGS.plot:
         raise ValueError("--compare needs --plot=FILE.png")
       if os.path.exists(FLAGS.plot) and not FLAGS.overwrite:
         raise FileExistsError(f"--plot={FLAGS.plot} exists; pass --overwrite to replace it")
       if FLAGS.out.startswith("task"):  # task_vs_length JSON: accuracy curves
-        from roformer.evals import task_plots as task_plot
+        from roformer.evals import task_plots
 
-        path = task_plot.compare_runs(FLAGS.compare, FLAGS.plot, name=FLAGS.out)
+        path = task_plots.compare_runs(FLAGS.compare, FLAGS.plot, name=FLAGS.out)
       else:
-        path = eval_plot.compare_runs(
-          FLAGS.compare, FLAGS.plot, name=FLAGS.out or eval_plot.DEFAULT_NAME
-        )
+        path = plots.compare_runs(FLAGS.compare, FLAGS.plot, name=FLAGS.out or plots.DEFAULT_NAME)
       print(f"wrote {path}")
       return
     if FLAGS.workdir is None:
@@ -115,16 +113,16 @@ def main(argv):
     cpu_flags.set_default_cpu_flags()  # before JAX starts
     import jax
 
-    from roformer.evals import ppl_vs_length as eval_run
+    from roformer.evals import ppl_vs_length
 
     print(f"JAX devices: {jax.devices()}", flush=True)
     if FLAGS.task_lengths:
-      from roformer.evals import task_vs_length as eval_tasks
+      from roformer.evals import task_vs_length
 
       lengths = [] if FLAGS.task_lengths == ["default"] else FLAGS.task_lengths
       if not all(x.strip().isdigit() for x in lengths):
         raise ValueError(f"--task_lengths must be positive integers or 'default', got {lengths}")
-      eval_tasks.evaluate_tasks(
+      task_vs_length.evaluate_tasks(
         FLAGS.workdir,
         lengths=[int(x) for x in lengths],
         num_examples=FLAGS.task_examples,
@@ -137,7 +135,7 @@ def main(argv):
       return
     if not all(x.strip().isdigit() for x in FLAGS.lengths):
       raise ValueError(f"--lengths must be positive integers, got {','.join(FLAGS.lengths)}")
-    eval_run.evaluate_workdir(
+    ppl_vs_length.evaluate_workdir(
       FLAGS.workdir,
       lengths=[int(x) for x in FLAGS.lengths],
       protocol=FLAGS.protocol,

@@ -1,7 +1,7 @@
 """Peak memory of long-context evaluation: one child process per length, batch 1.
 
-Evaluates a randomly initialised 4-layer, 256-wide RoPE decoder with eval_lib at each length and
-prints peak resident memory (ru_maxrss of the child), its ratio to the shortest length, the XLA
+Evaluates a randomly initialised 4-layer, 256-wide RoPE decoder with evals.perplexity at each length
+and prints peak resident memory (ru_maxrss of the child), its ratio to the shortest length, the XLA
 temporary buffers of the compiled scoring step and the wall time. Blockwise evaluation keeps
 activations O(L * D), so 32k tokens should stay well under 2x the 2k figure.
 
@@ -30,7 +30,7 @@ def _child(length: int) -> dict:
   import numpy as np
   from flax import nnx
 
-  from roformer.evals import perplexity as eval_lib
+  from roformer.evals import perplexity
   from roformer.nn.model import ModelConfig, make_model
 
   cfg = ModelConfig(
@@ -54,21 +54,21 @@ def _child(length: int) -> dict:
     max_tokens=length,
     max_length=length,
   )
-  windows = eval_lib.make_windows(tokens, **window_args)
+  windows = perplexity.make_windows(tokens, **window_args)
   graphdef, state = nnx.split(model)
-  compiled = eval_lib.score_batch.lower(
+  compiled = perplexity.score_batch.lower(
     graphdef,
     state,
     windows.inputs,
     windows.targets,
     windows.positions,
     windows.weights,
-    block=eval_lib.loss_block_size(model, length),
+    block=perplexity.loss_block_size(model, length),
   ).compile()
   analysis = compiled.memory_analysis()
   temp_mb = analysis.temp_size_in_bytes / 2**20 if analysis is not None else float("nan")
   start = time.perf_counter()
-  result = eval_lib.evaluate_at_length(model, tokens, **window_args, batch_size=1)
+  result = perplexity.evaluate_at_length(model, tokens, **window_args, batch_size=1)
   seconds = time.perf_counter() - start
   jax.block_until_ready(state)
   return {"length": length, "loss": result["loss"], "seconds": seconds, "xla_temp_mb": temp_mb}

@@ -1,8 +1,9 @@
 """What the reproduction grids share: corpora, resumable runs, progress with an ETA, CSV and plots.
 
-A grid is a list of `Run`s. Each run trains (or fine-tunes) one model through train_lib, evaluates
-it through eval_run, and writes OUT/<run>.json; a run whose JSON exists is skipped, so a killed
-grid resumes where it stopped (a run killed mid-training resumes from its last checkpoint).
+A grid is a list of `Run`s. Each run trains (or fine-tunes) one model through roformer.train,
+evaluates it through roformer.evals, and writes OUT/<run>.json; a run whose JSON exists is skipped,
+so a killed grid resumes where it stopped (a run killed mid-training resumes from its last
+checkpoint).
 
 A run is its full settings: every field of its config and its evaluations (`run_settings`). The
 JSON records them and their hash, the run's workdir is named by the hash, and the workdirs of one
@@ -250,7 +251,7 @@ def make_config(base: str, overrides: dict):
 
 @dataclasses.dataclass
 class Eval:
-  """One eval.py evaluation of a run (arguments of eval_run.evaluate_workdir)."""
+  """One eval.py evaluation of a run (arguments of ppl_vs_length.evaluate_workdir)."""
 
   scaling: str = "none"  # label in the CSV: none, a RoPE scaling kind, "bca", ...
   kwargs: dict = dataclasses.field(default_factory=dict)
@@ -404,14 +405,14 @@ def finished_records(runs: Sequence[Run], out: pathlib.Path) -> list[dict]:
 
 
 def _evaluate(workdir: pathlib.Path, ev: Eval) -> dict:
-  from roformer.evals import ppl_vs_length as eval_run
+  from roformer.evals import ppl_vs_length
 
   name = f"grid_{ev.scaling}"
   existing = workdir / "eval" / f"{name}.json"
   if existing.exists():
     result = json.loads(existing.read_text())
   else:
-    result, _ = eval_run.evaluate_workdir(
+    result, _ = ppl_vs_length.evaluate_workdir(
       workdir, out=name, log=lambda line: print("    " + line, flush=True), **ev.kwargs
     )
   return {"scaling": ev.scaling, "result": result}

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import grid
 
-from roformer.evals import plots as eval_plot
+from roformer.evals import plots
 
 
 def read_header(directory: pathlib.Path) -> tuple[str, int]:
@@ -124,7 +124,7 @@ def write_extrapolation(records: Sequence[dict], out: pathlib.Path, *, seq_len: 
   (out / "table.md").write_text("\n".join(lines))
 
   def label(record, ev):
-    return eval_plot.run_label(record["run"], {**ev["result"], "posenc": record["run"]})
+    return plots.run_label(record["run"], {**ev["result"], "posenc": record["run"]})
 
   encodings = grid.eval_lines(
     records,
@@ -132,7 +132,7 @@ def write_extrapolation(records: Sequence[dict], out: pathlib.Path, *, seq_len: 
     label,
   )
   if encodings:
-    eval_plot.plot_runs(
+    plots.plot_runs(
       [(lab, res, seq_len) for lab, res in encodings],
       out / "encodings.png",
       title=f"Perplexity vs length, every encoding ({scale} scale)",
@@ -143,7 +143,7 @@ def write_extrapolation(records: Sequence[dict], out: pathlib.Path, *, seq_len: 
     lambda r, ev: f"{r['run']} + {ev['scaling']} (auto)" if ev["scaling"] != "none" else r["run"],
   )
   if scalings:
-    eval_plot.plot_runs(
+    plots.plot_runs(
       [(lab, _protocol_only(res, "nonoverlapping"), seq_len) for lab, res in scalings],
       out / "scalings.png",
       title=f"RoPE context extension ({scale} scale)",

@@ -1,11 +1,11 @@
 """Length generalisation on synthetic tasks: every encoding, with and without randomized positions.
 
-Each run trains a small decoder on one task at one range of task lengths (train_lib, in process)
-and scores exact match and per-token accuracy from that range to 8x its longest length
-(eval_tasks; a run trained with randomized positions is scored at randomized positions, as in
-training, averaged over `randomized_positions.EVAL_DRAWS` draws). Finished runs are skipped, so
-an interrupted grid resumes where it stopped; a run is finished when its JSON holds the run's
-full settings (grid.run_settings), and a JSON made with other settings stops the grid.
+Each run trains a small decoder on one task at one range of task lengths (roformer.train, in
+process) and scores exact match and per-token accuracy from that range to 8x its longest length
+(roformer.evals.task_vs_length; a run trained with randomized positions is scored at randomized
+positions, as in training, averaged over `randomized_positions.EVAL_DRAWS` draws). Finished runs are
+skipped, so an interrupted grid resumes where it stopped; a run is finished when its JSON holds the
+run's full settings (grid.run_settings), and a JSON made with other settings stops the grid.
 
   python experiments/synthetic.py                                # the committed grid (cpu), hours
   python experiments/synthetic.py --scale=tiny                   # smoke grid into a temp dir
@@ -178,12 +178,12 @@ def make_config(scale: Scale, task: str, encoding: str, randomized: bool, seq_le
 
 def eval_spec(scale: Scale, task: str, randomized: bool) -> dict:
   """How a run is scored: task lengths, examples per length and draws of positions."""
-  from roformer.evals import task_vs_length as eval_tasks
+  from roformer.evals import task_vs_length
   from roformer.posenc import randomized as randomized_positions
 
   lo, hi = scale.tasks[task]
   return {
-    "lengths": eval_tasks.default_lengths(lo, hi),
+    "lengths": task_vs_length.default_lengths(lo, hi),
     "examples": scale.examples,
     "position_draws": randomized_positions.EVAL_DRAWS if randomized else 0,
   }
@@ -199,13 +199,13 @@ def run_config(scale: Scale, task: str, encoding: str, randomized: bool):
 
 
 def run_one(scale: Scale, task: str, encoding: str, randomized: bool, config, workdir) -> dict:
-  from roformer.evals import task_vs_length as eval_tasks
+  from roformer.evals import task_vs_length
 
   spec = eval_spec(scale, task, randomized)
   start = time.perf_counter()
   grid.train_to_end(run_name(task, encoding, randomized), config, pathlib.Path(workdir))
   train_seconds = time.perf_counter() - start
-  result, _ = eval_tasks.evaluate_tasks(
+  result, _ = task_vs_length.evaluate_tasks(
     workdir,
     lengths=spec["lengths"],
     num_examples=spec["examples"],
@@ -232,7 +232,7 @@ def grid_order(result: dict) -> tuple:
 
 def write_summaries(out: str, results: list[dict]) -> None:
   """results.csv, one PNG per task and table.md from every run's JSON."""
-  from roformer.evals import task_plots as task_plot
+  from roformer.evals import task_plots
 
   with open(os.path.join(out, "results.csv"), "w", newline="") as f:
     writer = csv.writer(f)
@@ -260,7 +260,7 @@ def write_summaries(out: str, results: list[dict]) -> None:
     ]
     lengths = sorted({rec["length"] for r in runs for rec in r["records"]})
     baseline = no_lookup_baseline(lengths) if task == "associative_recall" else None
-    task_plot.plot_task_grid(
+    task_plots.plot_task_grid(
       [(title, panel) for title, panel in panels if panel],
       os.path.join(out, f"{task}.png"),
       title=f"{task}: accuracy against length",
@@ -269,9 +269,9 @@ def write_summaries(out: str, results: list[dict]) -> None:
     for r in runs:
       if "passkey_depths" in r:
         suffix = r["encoding"] + ("+randomized" if r["randomized"] else "")
-        task_plot.plot_passkey_heatmap(r, os.path.join(out, f"passkey_heatmap__{suffix}.png"))
+        task_plots.plot_passkey_heatmap(r, os.path.join(out, f"passkey_heatmap__{suffix}.png"))
     lo, hi = runs[0]["train_lengths"]
-    for metric, heading in task_plot.METRIC_LABELS.items():
+    for metric, heading in task_plots.METRIC_LABELS.items():
       lines += [f"## {task}: {heading} (trained on lengths {lo}..{hi})", ""]
       lines.append("| encoding | randomized | " + " | ".join(f"n={n}" for n in lengths) + " |")
       lines.append("|---|---|" + "---|" * len(lengths))
@@ -295,11 +295,11 @@ def write_summaries(out: str, results: list[dict]) -> None:
 def no_lookup_baseline(lengths, examples: int = 512) -> dict:
   """Associative recall's predictor that never looks a key up, on the evaluation examples."""
   from roformer.data import synthetic
-  from roformer.evals import task_vs_length as eval_tasks
+  from roformer.evals import task_vs_length
 
   scores = [
     synthetic.recall_without_lookup(
-      eval_tasks.eval_examples("associative_recall", n, examples, seed=0)
+      task_vs_length.eval_examples("associative_recall", n, examples, seed=0)
     )
     for n in lengths
   ]

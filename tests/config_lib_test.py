@@ -53,6 +53,34 @@ def test_default_config_fields_match_dataclasses(group, cls, skip):
   assert fields == _names(cls, skip=skip)
 
 
+@pytest.mark.parametrize(
+  "group, cls",
+  [
+    ("model", ModelConfig),
+    ("model.posenc", PosEncConfig),
+    ("model.posenc.scaling", RopeScaling),
+    ("data", DataConfig),
+    ("optim", config_lib.OptimConfig),
+    ("train", config_lib.TrainConfig),
+    ("mesh", config_lib.MeshConfig),
+  ],
+)
+def test_dataclass_defaults_are_the_values_of_configs_default(group, cls):
+  # One home for defaults: a dataclass built with no arguments is configs/default.py's run.
+  loaded = config_lib.run_config_from_dict(default.get_config())
+  for part in group.split("."):
+    loaded = getattr(loaded, part)
+  # Filled by the loader from the config (0 = "the training length"), not a default of its own.
+  filled = {"original_max_len"} if cls is RopeScaling else set()
+  differ = {
+    f.name: (getattr(cls(), f.name), getattr(loaded, f.name))
+    for f in dataclasses.fields(cls)
+    if f.name not in filled and not dataclasses.is_dataclass(getattr(loaded, f.name))
+    and getattr(cls(), f.name) != getattr(loaded, f.name)
+  }  # fmt: skip
+  assert not differ, f"{group}: (dataclass default, configs/default.py) {differ}"
+
+
 def test_default_config_every_field_has_comment_and_typed_default():
   lines = (REPO / "configs" / "default.py").read_text().splitlines()
   assignments = 0

@@ -1,4 +1,5 @@
-"""Tests of eval.py and its driver (eval_run, eval_plot): workdirs, JSON schema, scaling, plots."""
+"""Tests of eval.py and its driver (evals.ppl_vs_length, evals.plots): workdirs, JSON schema,
+scaling, plots."""
 
 import json
 import os
@@ -13,7 +14,7 @@ from flax import nnx
 from configs import default
 from roformer import config as config_lib
 from roformer import runs
-from roformer.evals import ppl_vs_length as eval_run
+from roformer.evals import ppl_vs_length
 from roformer.infra import checkpoint
 from roformer.nn.model import make_model
 
@@ -69,7 +70,7 @@ def rope_run(tmp_path_factory):
 def _evaluate(workdir, **kwargs):
   args = dict(lengths=[32, 64], max_tokens=128, batch_size=2, log=lambda line: None)
   args.update(kwargs)
-  return eval_run.evaluate_workdir(workdir, **args)
+  return ppl_vs_length.evaluate_workdir(workdir, **args)
 
 
 def _run_cli(*args):
@@ -166,28 +167,28 @@ def test_eval_model_config_dense_attention_becomes_auto():
 
 
 def test_default_lengths_and_output_name():
-  default = eval_run.default_lengths(256)
+  default = ppl_vs_length.default_lengths(256)
   assert default == [256, 512, 1024, 2048, 4096]
-  assert eval_run.output_name() == "ppl_vs_length"
-  assert eval_run.output_name(lengths=default[::-1], default=default) == "ppl_vs_length"
+  assert ppl_vs_length.output_name() == "ppl_vs_length"
+  assert ppl_vs_length.output_name(lengths=default[::-1], default=default) == "ppl_vs_length"
   # What changes the result changes the name: lengths, protocol, stride.
   assert (
-    eval_run.output_name(lengths=[512, 256], default=default, protocol="sliding", stride=64)
+    ppl_vs_length.output_name(lengths=[512, 256], default=default, protocol="sliding", stride=64)
     == "ppl_vs_length_len256-512_sliding_stride64"
   )
-  assert eval_run.output_name(protocol="nonoverlapping", stride=64) == (
+  assert ppl_vs_length.output_name(protocol="nonoverlapping", stride=64) == (
     "ppl_vs_length_nonoverlapping"
   )
-  assert eval_run.output_name(protocol="both", stride=32) == "ppl_vs_length_stride32"
-  assert eval_run.output_name(rope_scaling="yarn", rope_factor=4.0) == "ppl_vs_length_yarn_4"
-  assert eval_run.output_name("mine", rope_scaling="yarn", rope_factor=4.0) == "mine"
-  assert eval_run.output_name(split="test") == "ppl_vs_length_test"
+  assert ppl_vs_length.output_name(protocol="both", stride=32) == "ppl_vs_length_stride32"
+  assert ppl_vs_length.output_name(rope_scaling="yarn", rope_factor=4.0) == "ppl_vs_length_yarn_4"
+  assert ppl_vs_length.output_name("mine", rope_scaling="yarn", rope_factor=4.0) == "mine"
+  assert ppl_vs_length.output_name(split="test") == "ppl_vs_length_test"
   # Two evaluations of different sizes never share a name.
-  assert eval_run.output_name(max_tokens=8192) == "ppl_vs_length_tok8192"
-  assert eval_run.output_name(max_tokens=eval_run.DEFAULT_MAX_TOKENS) == "ppl_vs_length"
-  assert eval_run.output_name(data_files="a/*.txt", split="test") == "ppl_vs_length_files"
+  assert ppl_vs_length.output_name(max_tokens=8192) == "ppl_vs_length_tok8192"
+  assert ppl_vs_length.output_name(max_tokens=ppl_vs_length.DEFAULT_MAX_TOKENS) == "ppl_vs_length"
+  assert ppl_vs_length.output_name(data_files="a/*.txt", split="test") == "ppl_vs_length_files"
   assert (
-    eval_run.output_name(split="test", rope_scaling="ntk", rope_factor=2.0)
+    ppl_vs_length.output_name(split="test", rope_scaling="ntk", rope_factor=2.0)
     == "ppl_vs_length_test_ntk_2"
   )
 
@@ -195,8 +196,8 @@ def test_default_lengths_and_output_name():
 def test_bin_positions_averages_weighted_loss_per_bin():
   loss = np.array([1.0, 3.0, 0.0, 0.0, 4.0, 8.0])
   weight = np.array([1.0, 1.0, 0.0, 0.0, 2.0, 2.0])
-  assert eval_run.bin_positions(loss, weight, max_points=3) == [2.0, None, 3.0]
-  assert eval_run.bin_positions(loss[:2], weight[:2]) == [1.0, 3.0]
+  assert ppl_vs_length.bin_positions(loss, weight, max_points=3) == [2.0, None, 3.0]
+  assert ppl_vs_length.bin_positions(loss[:2], weight[:2]) == [1.0, 3.0]
 
 
 def test_eval_cli_without_checkpoint_exits_with_one_clear_error(tmp_path):
@@ -222,7 +223,7 @@ def test_eval_cli_compare_writes_one_png_of_several_runs(tmp_path):
       "records": records + [{"length": 128, "protocol": "nonoverlapping", "skipped": "too long"}],
       "per_position": {"length": 64, "loss": [1.0, 2.0, None, 3.0]},
     }
-    eval_run.write_result(result, tmp_path / name / "eval" / "ppl_vs_length.json")
+    ppl_vs_length.write_result(result, tmp_path / name / "eval" / "ppl_vs_length.json")
   plot = tmp_path / "compare.png"
   proc = _run_cli(f"--compare={tmp_path / 'a'},{tmp_path / 'b'}", f"--plot={plot}")
   assert proc.returncode == 0, proc.stderr
@@ -341,17 +342,17 @@ def test_eval_cli_bad_flag_combinations_exit_with_one_line(rope_run, args, expec
 
 
 def test_plot_says_log_scale_and_which_windows_the_position_panel_shows(tmp_path, monkeypatch):
-  from roformer.evals import plots as eval_plot
+  from roformer.evals import plots
 
   figures = []
-  monkeypatch.setattr(eval_plot.plt, "close", figures.append)
+  monkeypatch.setattr(plots.plt, "close", figures.append)
   records = [
     {"length": n, "protocol": "nonoverlapping", "loss": float(np.log(p)), "ppl": p, "tokens": 8}
     for n, p in ((32, 5.0), (64, 80.0))
   ]  # a blow-up: the perplexity axis goes logarithmic
   per_position = {"length": 64, "protocol": "nonoverlapping", "loss": [1.0, 2.0]}
   result = {"posenc": "rope", "records": records, "per_position": per_position}
-  eval_plot.plot_runs([("rope", result, 32)], tmp_path / "p.png")
+  plots.plot_runs([("rope", result, 32)], tmp_path / "p.png")
   ax_len, ax_pos = figures[0].axes[:2]
   assert ax_len.get_yscale() == "log" and "log scale" in ax_len.get_ylabel()
   assert "log2 scale" in ax_len.get_xlabel()

@@ -1,4 +1,5 @@
-"""Tests of eval_lib: the same span at every length, protocols, blockwise loss, encoder masking."""
+"""Tests of evals.perplexity: the same span at every length, protocols, blockwise loss, encoder
+masking."""
 
 import functools
 
@@ -9,7 +10,7 @@ import pytest
 from flax import nnx
 
 from roformer.data import ByteTokenizer
-from roformer.evals import perplexity as eval_lib
+from roformer.evals import perplexity
 from roformer.nn.model import ModelConfig, make_model
 
 VOCAB = ByteTokenizer.vocab_size
@@ -55,7 +56,7 @@ def _evaluate(model, tokens, **kwargs):
   args = dict(model_kind="decoder", stride=0, max_tokens=256, max_length=64, batch_size=4)
   args.update(kwargs)
   args["stride"] = args["stride"] or args["length"]
-  return eval_lib.evaluate_at_length(model, tokens, **args)
+  return perplexity.evaluate_at_length(model, tokens, **args)
 
 
 @pytest.mark.parametrize("model_kind", ["decoder", "encoder"])
@@ -64,7 +65,7 @@ def test_make_windows_every_length_and_protocol_scores_the_same_tokens(model_kin
   scored = set()
   for length in (8, 16, 32, 64):
     for protocol, stride in (("nonoverlapping", length), ("sliding", max(1, length // 4))):
-      w = eval_lib.make_windows(
+      w = perplexity.make_windows(
         tokens,
         model_kind=model_kind,
         length=length,
@@ -84,7 +85,7 @@ def test_make_windows_every_length_and_protocol_scores_the_same_tokens(model_kin
 
 def test_make_windows_encoder_masks_inputs_only_where_scored_targets_differ():
   tokens = _tokens()
-  w = eval_lib.make_windows(
+  w = perplexity.make_windows(
     tokens,
     model_kind="encoder",
     length=32,
@@ -129,7 +130,7 @@ def test_evaluate_at_length_blockwise_matches_full_logits_loss():
   length, block, batch_size = 40, 16, 3
   model, tokens = _model(block=block), _tokens()
   for protocol, stride in (("nonoverlapping", length), ("sliding", length // 4)):
-    windows = eval_lib.make_windows(
+    windows = perplexity.make_windows(
       tokens,
       model_kind="decoder",
       length=length,
@@ -152,7 +153,7 @@ def test_evaluate_at_length_encoder_reports_masked_loss_and_accuracy():
   kwargs = dict(model_kind="encoder", length=32, protocol="nonoverlapping", stride=32)
   kwargs.update(tokenizer=ByteTokenizer(), mlm_probability=0.15, seed=3)
   r = _evaluate(model, tokens, **kwargs)
-  windows = eval_lib.make_windows(tokens, **kwargs, max_tokens=256, max_length=64)
+  windows = perplexity.make_windows(tokens, **kwargs, max_tokens=256, max_length=64)
   loss, accuracy = _direct_loss(model, windows)
   assert r["loss"] == pytest.approx(loss, abs=1e-5)
   assert r["accuracy"] == pytest.approx(accuracy, abs=1e-9)
@@ -171,12 +172,12 @@ def test_evaluate_at_length_encoder_without_tokenizer_raises():
 
 def test_score_windows_position_sums_add_up_to_the_loss_sum():
   model, tokens = _model(), _tokens()
-  windows = eval_lib.make_windows(
+  windows = perplexity.make_windows(
     tokens, model_kind="decoder", length=32, protocol="sliding", stride=8, max_tokens=256,
     max_length=64,
   )  # fmt: skip
   calls = []
-  scores = eval_lib.score_windows(
+  scores = perplexity.score_windows(
     model, windows, batch_size=4, progress=lambda done, total: calls.append((done, total))
   )
   assert scores.position_loss_sum.sum() == pytest.approx(scores.loss_sum, rel=1e-6)
@@ -207,7 +208,7 @@ def test_score_batch_never_holds_more_than_a_block_of_logits():
   graphdef, state = nnx.split(model)
   x = np.zeros((1, length), np.int32)
   w = np.ones((1, length), np.float32)
-  compiled = eval_lib.score_batch.lower(graphdef, state, x, x, x, w, block=block).compile()
+  compiled = perplexity.score_batch.lower(graphdef, state, x, x, x, w, block=block).compile()
   analysis = compiled.memory_analysis()
   assert analysis is not None, "XLA on CPU reports a memory analysis; the check needs it"
   # Full logits would be 32 MiB; a few [block, V] buffers are 2 MiB each.
@@ -218,19 +219,19 @@ def test_a_randomized_run_is_scored_at_randomized_positions_per_document(monkeyp
   # Each window (each packed document) takes a fresh sorted subset of [0, N) of its own length,
   # in every draw; the loss is the mean over the draws, each draw's loss is returned.
   model, tokens = _model(), _tokens()
-  windows = eval_lib.make_windows(
+  windows = perplexity.make_windows(
     tokens, model_kind="decoder", length=32, protocol="nonoverlapping", stride=32,
     max_tokens=256, max_length=64, tokenizer=ByteTokenizer(), packed=True,
   )  # fmt: skip
   seen = []
-  original = eval_lib.score_windows
+  original = perplexity.score_windows
 
   def spy(model, drawn, **kwargs):
     seen.append(drawn.positions)
     return original(model, drawn, **kwargs)
 
-  monkeypatch.setattr(eval_lib, "score_windows", spy)
-  scores, losses = eval_lib.score_windows_at_positions(
+  monkeypatch.setattr(perplexity, "score_windows", spy)
+  scores, losses = perplexity.score_windows_at_positions(
     model, windows, batch_size=4, randomize_max=1024, seed=0, draws=3
   )
   assert len(seen) == 3 and len(losses) == 3
@@ -244,5 +245,5 @@ def test_a_randomized_run_is_scored_at_randomized_positions_per_document(monkeyp
   # Summed over the draws: the mean loss of the draws.
   assert scores.loss_sum / scores.weight_sum == pytest.approx(np.mean(losses), rel=1e-6)
   seen.clear()
-  _, none = eval_lib.score_windows_at_positions(model, windows, batch_size=4)
+  _, none = perplexity.score_windows_at_positions(model, windows, batch_size=4)
   assert none == [] and np.array_equal(seen[0], windows.positions)

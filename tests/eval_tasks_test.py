@@ -1,4 +1,4 @@
-"""Tests of roformer.eval_tasks (scoring) and the synthetic pipeline end to end (slow)."""
+"""Tests of roformer.evals.task_vs_length (scoring) and the synthetic pipeline end to end (slow)."""
 
 import json
 import os
@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 
 from roformer.data import synthetic
-from roformer.evals import task_plots as task_plot
-from roformer.evals import task_vs_length as eval_tasks
+from roformer.evals import task_plots, task_vs_length
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -33,30 +32,30 @@ def _predictor(examples, wrong=()):
 
 @pytest.mark.parametrize("task", synthetic.TASKS)
 def test_a_perfect_predictor_scores_one(task):
-  examples = eval_tasks.eval_examples(task, 5, 7, seed=0)
-  got = eval_tasks.score_examples(_predictor(examples), examples, batch_size=3)
+  examples = task_vs_length.eval_examples(task, 5, 7, seed=0)
+  got = task_vs_length.score_examples(_predictor(examples), examples, batch_size=3)
   assert got == {"exact_match": 1.0, "token_accuracy": 1.0, "examples": 7}
 
 
 def test_one_wrong_answer_token_costs_one_example_and_one_token():
-  examples = eval_tasks.eval_examples("copy", 4, 5, seed=0)  # answers: 4 tokens each, 20 in all
+  examples = task_vs_length.eval_examples("copy", 4, 5, seed=0)  # answers: 4 tokens each, 20 in all
   # Target index t predicts token t + 1: answers are targets 4..7 (tokens 5..8); 0 is a prompt
   # target, whose errors do not count.
   predict = _predictor(examples, wrong=[(2, 5), (3, 0)])
-  got = eval_tasks.score_examples(predict, examples, batch_size=2)
+  got = task_vs_length.score_examples(predict, examples, batch_size=2)
   assert got == {"exact_match": 4 / 5, "token_accuracy": 19 / 20, "examples": 5}
 
 
 def test_eval_examples_depend_only_on_seed_length_and_depth():
-  a = eval_tasks.eval_examples("passkey", 20, 3, seed=1, depth=0.5)
-  b = eval_tasks.eval_examples("passkey", 20, 3, seed=1, depth=0.5)
-  c = eval_tasks.eval_examples("passkey", 20, 3, seed=1, depth=0.0)
+  a = task_vs_length.eval_examples("passkey", 20, 3, seed=1, depth=0.5)
+  b = task_vs_length.eval_examples("passkey", 20, 3, seed=1, depth=0.5)
+  c = task_vs_length.eval_examples("passkey", 20, 3, seed=1, depth=0.0)
   assert all(np.array_equal(x[0], y[0]) for x, y in zip(a, b, strict=True))
   assert not all(np.array_equal(x[0], y[0]) for x, y in zip(a, c, strict=True))
 
 
 def test_default_lengths_run_from_the_training_range_to_8x():
-  assert eval_tasks.default_lengths(8, 32) == [8, 32, 64, 128, 256]
+  assert task_vs_length.default_lengths(8, 32) == [8, 32, 64, 128, 256]
 
 
 def test_task_plots_are_written(tmp_path):
@@ -66,22 +65,24 @@ def test_task_plots_are_written(tmp_path):
                 {"length": 64, "skipped": "too long"}],
     "passkey_depths": {"depths": [0.0, 1.0], "lengths": [8], "exact_match": [[1.0], [0.5]]},
   }  # fmt: skip
-  png = task_plot.plot_task_runs([("a", result)], tmp_path / "a.png")
-  heat = task_plot.plot_passkey_heatmap(result, tmp_path / "h.png")
+  png = task_plots.plot_task_runs([("a", result)], tmp_path / "a.png")
+  heat = task_plots.plot_passkey_heatmap(result, tmp_path / "h.png")
   assert png.read_bytes()[:4] == heat.read_bytes()[:4] == b"\x89PNG"
 
 
 def test_a_randomized_run_is_scored_at_positions_drawn_like_its_training_positions():
   # The paper's code draws a fresh sorted subset of [0, N) of the sequence's own length in every
   # forward pass, evaluation included; consecutive positions would be gaps training never made.
-  examples = eval_tasks.eval_examples("copy", 4, 64, seed=0)  # 9 tokens: 8 model inputs
+  examples = task_vs_length.eval_examples("copy", 4, 64, seed=0)  # 9 tokens: 8 model inputs
   seen = []
 
   def predict(inputs_BT, positions_BT):
     seen.append(np.asarray(positions_BT))
     return np.zeros_like(inputs_BT)
 
-  result = eval_tasks.score_examples(predict, examples, batch_size=64, randomize_max=512, draws=3)
+  result = task_vs_length.score_examples(
+    predict, examples, batch_size=64, randomize_max=512, draws=3
+  )
   assert len(seen) == 3 and all(p.shape == (64, 8) for p in seen)
   for positions in seen:
     assert np.all(np.diff(positions, axis=1) > 0) and positions.min() >= 0
@@ -92,7 +93,7 @@ def test_a_randomized_run_is_scored_at_positions_drawn_like_its_training_positio
   assert len(result["exact_match_draws"]) == len(result["token_accuracy_draws"]) == 3
   # Consecutive positions for a run trained with them.
   seen.clear()
-  eval_tasks.score_examples(predict, examples, batch_size=64)
+  task_vs_length.score_examples(predict, examples, batch_size=64)
   np.testing.assert_array_equal(seen[0], np.tile(np.arange(8), (64, 1)))
 
 
@@ -112,7 +113,7 @@ def test_task_grid_keeps_each_label_one_colour_and_one_legend_entry(tmp_path):
   ]
   baseline = {"label": "no lookup", "lengths": [4, 16], "exact_match": [0.1, 0.0],
               "token_accuracy": [0.5, 0.2]}  # fmt: skip
-  fig = task_plot.task_grid_figure(panels, title="copy", baseline=baseline)
+  fig = task_plots.task_grid_figure(panels, title="copy", baseline=baseline)
   (left, right), (left_tok, right_tok) = np.asarray(fig.axes).reshape(2, 2)
   color = {ax: {line.get_label(): line.get_color() for line in ax.lines} for ax in (left, right)}
   assert color[left] == color[right]  # the same encoding, the same colour, in either order
@@ -125,7 +126,7 @@ def test_task_grid_keeps_each_label_one_colour_and_one_legend_entry(tmp_path):
   assert left_tok.get_ylabel() == "per-token accuracy" and left.get_ylabel() == "exact match"
   names = [text.get_text() for text in fig.legends[0].get_texts()]
   assert names == ["rope", "alibi", "no lookup", "training lengths"]
-  png = task_plot.plot_task_grid(panels, tmp_path / "grid.png")
+  png = task_plots.plot_task_grid(panels, tmp_path / "grid.png")
   assert png.read_bytes()[:4] == b"\x89PNG"
 
 
@@ -137,10 +138,10 @@ def test_compare_draws_task_curves_of_several_runs(tmp_path):
     }  # fmt: skip
     (tmp_path / name / "eval").mkdir(parents=True)
     (tmp_path / name / "eval" / "task_vs_length.json").write_text(json.dumps(result))
-  png = task_plot.compare_runs([str(tmp_path / "a"), str(tmp_path / "b")], tmp_path / "c.png")
+  png = task_plots.compare_runs([str(tmp_path / "a"), str(tmp_path / "b")], tmp_path / "c.png")
   assert png.read_bytes()[:4] == b"\x89PNG"
   with pytest.raises(FileNotFoundError, match="--task_lengths"):
-    task_plot.compare_runs([str(tmp_path / "missing")], tmp_path / "d.png")
+    task_plots.compare_runs([str(tmp_path / "missing")], tmp_path / "d.png")
 
 
 # ---- End to end (slow): train.py by config alone, evaluation at 8x the training length ----
@@ -203,4 +204,4 @@ def test_task_evaluation_refuses_a_perplexity_run(tmp_path):
 
   config_lib.write_config_json(tmp_path, config_lib.run_config_from_dict(default.get_config()))
   with pytest.raises(ValueError, match="trained with data.source='pystdlib'"):
-    eval_tasks.evaluate_tasks(tmp_path, lengths=[4])
+    task_vs_length.evaluate_tasks(tmp_path, lengths=[4])

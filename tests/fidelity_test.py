@@ -14,9 +14,7 @@ from flax import nnx
 from configs import default
 from roformer import config as config_lib
 from roformer import data, runs
-from roformer.evals import perplexity as eval_lib
-from roformer.evals import plots as eval_plot
-from roformer.evals import ppl_vs_length as eval_run
+from roformer.evals import perplexity, plots, ppl_vs_length
 from roformer.nn.attention import kernels as attention
 from roformer.nn.attention import primitives
 from roformer.nn.model import ModelConfig, make_model, resolve_embed_scale, unsupported_length
@@ -179,30 +177,34 @@ def test_blockwise_window_kernels_agree():
 
 def test_eval_labels_xpos_without_bca_honestly():
   xpos = ModelConfig(posenc=PosEncConfig(kind="xpos"))
-  assert eval_run.label_notes(xpos, trained_window=0, stride=0, protocols=("sliding",)) == [
+  assert ppl_vs_length.label_notes(xpos, trained_window=0, stride=0, protocols=("sliding",)) == [
     "no BCA",
     "stride L/4",
   ]
   bca = runs.eval_model_config(xpos, seq_len=64, attention_window=64, window_kind="blockwise")
-  assert eval_run.label_notes(bca, trained_window=0, stride=1, protocols=("nonoverlapping",)) == [
-    "BCA 64"
-  ]
-  label = eval_plot.run_label("run", {"posenc": "xpos", "notes": ["no BCA"]})
+  assert ppl_vs_length.label_notes(
+    bca, trained_window=0, stride=1, protocols=("nonoverlapping",)
+  ) == ["BCA 64"]
+  label = plots.run_label("run", {"posenc": "xpos", "notes": ["no BCA"]})
   assert label == "run (xpos, no BCA)"
-  assert eval_run.output_name(attention_window=64, window_kind="blockwise") == "ppl_vs_length_bca64"
+  assert (
+    ppl_vs_length.output_name(attention_window=64, window_kind="blockwise") == "ppl_vs_length_bca64"
+  )
 
 
 # ---- RoPE scaling factor per length ----
 
 
 def test_auto_rope_factor_is_target_over_training_length():
-  assert eval_run.parse_rope_factor("auto") == "auto"
-  assert eval_run.factor_at("auto", 512, 128) == 4.0
-  assert eval_run.factor_at("auto", 64, 128) == 1.0
-  assert eval_run.factor_at(2.0, 512, 128) == 2.0
-  assert eval_run.output_name(rope_scaling="yarn", rope_factor="auto") == "ppl_vs_length_yarn_auto"
+  assert ppl_vs_length.parse_rope_factor("auto") == "auto"
+  assert ppl_vs_length.factor_at("auto", 512, 128) == 4.0
+  assert ppl_vs_length.factor_at("auto", 64, 128) == 1.0
+  assert ppl_vs_length.factor_at(2.0, 512, 128) == 2.0
+  assert (
+    ppl_vs_length.output_name(rope_scaling="yarn", rope_factor="auto") == "ppl_vs_length_yarn_auto"
+  )
   with pytest.raises(ValueError, match="--rope_factor must be a number or 'auto'"):
-    eval_run.parse_rope_factor("fast")
+    ppl_vs_length.parse_rope_factor("fast")
 
 
 def test_original_max_len_defaults_to_the_init_from_runs_length(tmp_path):
@@ -249,7 +251,7 @@ def test_encoder_eval_masks_the_same_tokens_at_every_length_and_protocol():
   tokens = rng.integers(0, 256, 6000).astype(np.int32)
   masked = set()
   for length, protocol in ((16, "nonoverlapping"), (64, "sliding"), (32, "sliding")):
-    w = eval_lib.make_windows(
+    w = perplexity.make_windows(
       tokens, model_kind="encoder", length=length, protocol=protocol, stride=length // 4,
       max_tokens=512, max_length=64, tokenizer=tokenizer, seed=3,
     )  # fmt: skip
@@ -267,6 +269,6 @@ def test_encoder_eval_masks_the_same_tokens_at_every_length_and_protocol():
 def test_packed_evaluation_restarts_positions_and_segments_after_eos():
   eos = 9
   inputs = np.array([[1, 2, eos, 3, 4, eos, eos, 5]])
-  segments, positions = eval_lib.document_segments(inputs, eos)
+  segments, positions = perplexity.document_segments(inputs, eos)
   np.testing.assert_array_equal(segments, [[0, 0, 0, 1, 1, 1, 2, 3]])
   np.testing.assert_array_equal(positions, [[0, 1, 2, 0, 1, 2, 0, 0]])

@@ -292,7 +292,7 @@ class _SyntheticSource:
 
 
 class SyntheticCorpus:
-  """The Corpus interface over a synthetic task (what train_lib and eval.py use of a corpus).
+  """The Corpus interface over a synthetic task (what training and eval.py use of a corpus).
 
   `tokens(split)` is a fixed stream of examples at training lengths, each followed by EOS, for
   the perplexity evaluation (its loss covers every token, not just the answers);

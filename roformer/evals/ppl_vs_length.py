@@ -1,6 +1,6 @@
 """eval.py's driver: a run's checkpoint at several lengths, its JSON and plot, and comparisons.
 
-Writes DIR/eval/NAME.json and NAME.png (docs/design.md, "Workdir"); eval_lib does the scoring.
+Writes DIR/eval/NAME.json and NAME.png (docs/design.md, "Workdir"); perplexity.py does the scoring.
 """
 
 import dataclasses
@@ -14,8 +14,7 @@ from etils import epath
 from roformer import config as config_lib
 from roformer import data as data_lib
 from roformer import runs
-from roformer.evals import perplexity as eval_lib
-from roformer.evals import plots as eval_plot
+from roformer.evals import perplexity, plots
 from roformer.evals.perplexity import PROTOCOLS
 from roformer.evals.plots import DEFAULT_NAME
 from roformer.infra import workdir as workdir_lib
@@ -224,7 +223,7 @@ def evaluate_workdir(
     out: NAME; default `output_name(...)`.
     overwrite: replace an existing DIR/eval/NAME.json (else that is an error, before any work).
     position_draws: a run trained with randomized positions is scored at this many draws of
-      them (`eval_lib.score_windows_at_positions`); the loss is their mean.
+      them (`perplexity.score_windows_at_positions`); the loss is their mean.
     log: where progress lines go.
 
   Returns:
@@ -308,7 +307,7 @@ def evaluate_workdir(
         continue
       start = time.perf_counter()
       proto_stride = stride or max(1, length // 4)
-      windows = eval_lib.make_windows(
+      windows = perplexity.make_windows(
         tokens,
         model_kind=model_kind,
         length=length,
@@ -321,7 +320,7 @@ def evaluate_workdir(
         seed=run_config.train.seed,  # the training loop's evaluation mask
         packed=run_config.data.pack,
       )
-      scores, draw_losses = eval_lib.score_windows_at_positions(
+      scores, draw_losses = perplexity.score_windows_at_positions(
         model,
         windows,
         batch_size=batch_size or max(1, AUTO_BATCH_TOKENS // length),
@@ -330,7 +329,7 @@ def evaluate_workdir(
         draws=position_draws,
         progress=_Progress(log, prefix, length),
       )
-      metrics = eval_lib.summarize(scores, model_kind=model_kind, num_tokens=windows.num_tokens)
+      metrics = perplexity.summarize(scores, model_kind=model_kind, num_tokens=windows.num_tokens)
       record = {"length": length, "protocol": proto}
       record.update({k: metrics[k] for k in ("loss", "ppl", "tokens", "accuracy") if k in metrics})
       if draw_losses:
@@ -378,8 +377,8 @@ def evaluate_workdir(
     "per_position": per_position,
   }
   json_path = write_result(result, json_path)
-  png_path = eval_plot.plot_runs(
-    [(eval_plot.run_label(workdir.name, result), result, seq_len)],
+  png_path = plots.plot_runs(
+    [(plots.run_label(workdir.name, result), result, seq_len)],
     json_path.with_suffix(".png"),
     title=f"{workdir.name} step {step}",
   )

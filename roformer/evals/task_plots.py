@@ -13,7 +13,7 @@ matplotlib.use("Agg")  # headless: eval runs on servers and TPU VMs
 import matplotlib.pyplot as plt  # noqa: E402
 from etils import epath  # noqa: E402
 
-from roformer.evals import plots as eval_plot  # noqa: E402
+from roformer.evals import plots  # noqa: E402
 
 # NAME of DIR/eval/NAME.json and .png written by `eval.py --task_lengths`.
 DEFAULT_NAME = "task_vs_length"
@@ -81,7 +81,7 @@ def plot_task_runs(runs: Sequence[tuple[str, dict]], path, *, title: str = "") -
   _shade_training_range(ax, runs)
   _length_axis(ax)
   ax.set_ylabel("accuracy (solid: exact match, dashed: per token)")
-  eval_plot.place_legend(fig, ax)
+  plots.place_legend(fig, ax)
   task = runs[0][1].get("task", "") if runs else ""
   ax.set_title(title or f"{task}: accuracy vs length")
   return _save(fig, path)
@@ -183,6 +183,6 @@ def plot_passkey_heatmap(result: dict, path) -> epath.Path:
 
 def compare_runs(sources: Sequence[str], plot, *, name: str = DEFAULT_NAME) -> epath.Path:
   """Draws several runs' task JSON (DIR/eval/NAME.json, or JSON paths) in one plot."""
-  results = eval_plot.read_results(sources, name, hint=" --task_lengths=...")
+  results = plots.read_results(sources, name, hint=" --task_lengths=...")
   runs = [(run_label(workdir.name, result), result) for workdir, result in results]
   return plot_task_runs(runs, plot)

@@ -31,11 +31,10 @@ from roformer import config as config_lib
 from roformer import runs
 from roformer.data import synthetic
 from roformer.data.tokenizer import ByteTokenizer
-from roformer.evals import ppl_vs_length as eval_run
-from roformer.evals import task_plots as task_plot
+from roformer.evals import ppl_vs_length, task_plots
 from roformer.posenc import randomized as randomized_positions
 
-DEFAULT_NAME = task_plot.DEFAULT_NAME
+DEFAULT_NAME = task_plots.DEFAULT_NAME
 PASSKEY_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 _EVAL_STREAM = 6  # seed-sequence stream of evaluation examples (training uses 2)
 AUTO_BATCH_TOKENS = 16384
@@ -243,14 +242,14 @@ def evaluate_tasks(
     }
     log("passkey exact match by depth (rows) x length (columns): " + str(grid))
   name = out or DEFAULT_NAME
-  json_path = eval_run.write_result(result, workdir / "eval" / f"{name}.json")
-  png_path = task_plot.plot_task_runs(
-    [(task_plot.run_label(workdir.name, result), result)],
+  json_path = ppl_vs_length.write_result(result, workdir / "eval" / f"{name}.json")
+  png_path = task_plots.plot_task_runs(
+    [(task_plots.run_label(workdir.name, result), result)],
     json_path.with_suffix(".png"),
     title=f"{workdir.name} step {step}: {data.task}",
   )
   log(f"wrote {json_path} and {png_path}")
   if "passkey_depths" in result:
-    heatmap = task_plot.plot_passkey_heatmap(result, json_path.parent / "passkey_heatmap.png")
+    heatmap = task_plots.plot_passkey_heatmap(result, json_path.parent / "passkey_heatmap.png")
     log(f"wrote {heatmap}")
   return result, json_path

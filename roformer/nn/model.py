@@ -40,16 +40,16 @@ class ModelConfig:
   kind: str = "decoder"  # encoder (MLM) | decoder (causal LM)
   # The bytes tokenizer's (data.tokenizer="bytes"); training sets the tokenizer's.
   vocab_size: int = 261
-  num_layers: int = 2
-  emb_dim: int = 128
-  num_heads: int = 4
+  num_layers: int = 6
+  emb_dim: int = 512
+  num_heads: int = 8
   num_kv_heads: int = 0  # 0 = num_heads (MHA); 1 = MQA; else GQA
   head_dim: int = 0  # 0 = emb_dim // num_heads
-  mlp_dim: int = 512
+  mlp_dim: int = 2048
   dropout_rate: float = 0.0
   activation: str = "gelu"  # gelu | swiglu
   norm: str = "layernorm"  # layernorm | rmsnorm
-  norm_eps: float = 1e-12
+  norm_eps: float = 1e-6
   # Encoder only: False = post-LN (BERT/RoFormer); decoders are always pre-LN.
   pre_norm: bool = False
   use_bias: bool = True

@@ -22,7 +22,7 @@ from roformer import config as config_lib
 from roformer import data as data_lib
 from roformer.config import ConfigError, RunConfig
 from roformer.errors import NonFiniteLossError
-from roformer.evals import perplexity as eval_lib
+from roformer.evals import perplexity
 from roformer.infra import checkpoint, metrics_log, preemption, prefetch, sharding
 from roformer.infra import workdir as workdir_lib
 from roformer.posenc import POSENCS
@@ -93,7 +93,7 @@ def due(train: config_lib.TrainConfig, done: int, stop: bool) -> Due:
 
 
 def evaluate(loop: Loop, step: int) -> None:
-  """The periodic evaluation: eval_lib at the training length, non-overlapping windows."""
+  """The periodic evaluation: perplexity at the training length, non-overlapping windows."""
   rc, setup = loop.config, loop.setup
   if loop.validation is None:
     loop.validation = setup.corpus.tokens("validation")
@@ -101,7 +101,7 @@ def evaluate(loop: Loop, step: int) -> None:
   model = nnx.merge(loop.model_def, loop.model_state)
   start = time.perf_counter()
   with jax.set_mesh(setup.mesh):
-    result = eval_lib.evaluate_at_length(
+    result = perplexity.evaluate_at_length(
       model,
       loop.validation,
       model_kind=rc.model.kind,
