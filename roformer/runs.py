@@ -18,7 +18,8 @@ from roformer.errors import ConfigError
 from roformer.infra import checkpoint, sharding
 from roformer.nn import model as model_lib
 from roformer.posenc import POSENCS
-from roformer.posenc.config import SCALING_KINDS, RopeScaling
+from roformer.posenc.config import RopeScaling
+from roformer.posenc.rope_scaling import SCALING_KINDS
 
 
 def eval_mesh(run_config: RunConfig):

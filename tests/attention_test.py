@@ -9,7 +9,7 @@ from flax import nnx
 from roformer.nn.attention import kernels as attention
 from roformer.nn.attention import softmax
 from roformer.posenc import POSENCS, make_posenc
-from roformer.posenc.config import POSENC_KINDS, PosEncConfig, RopeScaling
+from roformer.posenc.config import PosEncConfig, RopeScaling
 
 B, L, H, G, K = 2, 37, 4, 2, 8  # L is not a multiple of BLOCK
 BLOCK = 8
@@ -43,7 +43,7 @@ def _posenc(kind, causal, scaling=None):
     return make_posenc(cfg, num_heads=H, head_dim=K, emb_dim=H * K, causal=causal, rngs=nnx.Rngs(3))
 
 
-POSENC_CASES = [(kind, None) for kind in POSENC_KINDS] + [
+POSENC_CASES = [(kind, None) for kind in tuple(POSENCS)] + [
   ("rope", RopeScaling(kind="yarn", factor=4.0, original_max_len=16))
 ]
 

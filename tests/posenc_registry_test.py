@@ -6,18 +6,15 @@ import re
 import pytest
 
 from roformer import posenc
-from roformer.posenc.config import POSENC_KINDS, PosEncConfig, RopeScaling
+from roformer.posenc import POSENCS
+from roformer.posenc.config import PosEncConfig, RopeScaling
 from roformer.posenc.rope import xpos_max_span
 from roformer.testing import build_posenc as make
 
 
-def test_registry_covers_every_config_kind():
-  assert set(posenc.POSENCS) == set(POSENC_KINDS)
-
-
 @pytest.mark.parametrize(
   "kind, causal",
-  [(k, c) for k in POSENC_KINDS for c in (True, False) if c or not posenc.POSENCS[k].causal_only],
+  [(k, c) for k in tuple(POSENCS) for c in (True, False) if c or not posenc.POSENCS[k].causal_only],
 )
 def test_validate_posenc_accepts_good_configs(kind, causal):
   posenc.validate_posenc(PosEncConfig(kind=kind), causal=causal, head_dim=64)
@@ -105,3 +102,18 @@ def test_messages_that_list_encodings_list_every_one_that_qualifies():
   for kind, cls in posenc.POSENCS.items():
     assert (repr(kind) in str(refused.value).split("for an encoder")[1]) == (not cls.causal_only)
   assert "'kerple'" in str(refused.value) and "'sandwich'" in str(refused.value)
+
+
+def test_every_scaling_is_a_registry_entry_that_says_whether_it_needs_the_pretraining_length():
+  from roformer.posenc import rope_scaling
+
+  assert rope_scaling.SCALING_KINDS == ("none", *rope_scaling.SCALINGS)
+  needs = {k for k, fn in rope_scaling.SCALINGS.items() if fn.needs_original_len}
+  assert needs == {"dynamic", "ntk_by_parts", "yarn", "llama3"}
+  for kind in rope_scaling.SCALINGS:
+    scaling = RopeScaling(kind=kind, factor=2.0)  # original_max_len 0: "not filled in yet"
+    if kind in needs:
+      with pytest.raises(ValueError, match="original_max_len must be > 0"):
+        rope_scaling.check_scaling(scaling)
+    else:
+      rope_scaling.check_scaling(scaling)

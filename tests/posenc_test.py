@@ -11,7 +11,8 @@ import pytest
 from flax import nnx
 
 from roformer import posenc, testing
-from roformer.posenc.config import POSENC_KINDS, PosEncConfig, RopeScaling
+from roformer.posenc import POSENCS
+from roformer.posenc.config import PosEncConfig, RopeScaling
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 with open(os.path.join(FIXTURES, "rope_hf.json")) as _f:
@@ -486,7 +487,7 @@ def test_params_are_born_sharded_under_a_mesh_with_logical_rules():
   assert learned.table[...].sharding.spec == jax.sharding.PartitionSpec(None, "fsdp")
 
 
-@pytest.mark.parametrize("kind", POSENC_KINDS)
+@pytest.mark.parametrize("kind", tuple(POSENCS))
 def test_posenc_modules_run_under_jit_as_pytrees(kind):
   fields = {}
   if kind in ("rope", "xpos"):
@@ -513,7 +514,7 @@ def test_posenc_modules_run_under_jit_as_pytrees(kind):
 @pytest.mark.parametrize("causal", [True, False])
 def test_make_posenc_builds_under_eval_shape_for_every_kind(causal):
   # Restoring a checkpoint or a sharded init builds the model, and so its encoding, in a trace.
-  for kind in [k for k in POSENC_KINDS if causal or not posenc.POSENCS[k].causal_only]:
+  for kind in [k for k in tuple(POSENCS) if causal or not posenc.POSENCS[k].causal_only]:
     concrete = make(kind, causal=causal)
     abstract = nnx.eval_shape(lambda kind=kind: make(kind, causal=causal))
     assert type(abstract) is type(concrete)

@@ -9,7 +9,7 @@ from flax import nnx
 
 from roformer.posenc.absolute import Learned, Sinusoidal, sinusoidal_embedding
 from roformer.posenc.base import NoPE, PosEnc
-from roformer.posenc.config import ROPE_LAYOUTS, SCALING_KINDS, PosEncConfig
+from roformer.posenc.config import ROPE_LAYOUTS, PosEncConfig
 from roformer.posenc.cope import Cope
 from roformer.posenc.fire import Fire
 from roformer.posenc.kerple import Kerple
@@ -22,7 +22,7 @@ from roformer.posenc.rope import (
   rope_sin_cos,
   rotary_dims,
 )
-from roformer.posenc.rope_scaling import check_scaling, rope_frequencies
+from roformer.posenc.rope_scaling import SCALING_KINDS, check_scaling, rope_frequencies
 from roformer.posenc.sandwich import Sandwich
 
 POSENCS: dict[str, type[PosEnc]] = {

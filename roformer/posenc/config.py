@@ -2,12 +2,7 @@
 
 import dataclasses
 
-POSENC_KINDS = (
-  "sinusoidal", "learned", "t5", "alibi", "rope", "xpos", "nope",
-  "kerple", "fire", "sandwich", "cope",
-)  # fmt: skip
 ROPE_LAYOUTS = ("interleaved", "half")
-SCALING_KINDS = ("none", "linear", "ntk", "dynamic", "ntk_by_parts", "yarn", "llama3")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,11 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from roformer.posenc.config import SCALING_KINDS, RopeScaling
+from roformer.posenc.config import RopeScaling
 
 _DEFAULTS = dataclasses.asdict(RopeScaling())
-# Kinds whose formula needs the pretraining length L0 (posenc.scaling.original_max_len).
-_NEEDS_ORIGINAL_LEN = ("dynamic", "ntk_by_parts", "yarn", "llama3")
 
 
 def scaling_fields(scaling: RopeScaling | Mapping[str, Any] | None) -> dict[str, Any] | None:
@@ -49,7 +47,7 @@ def check_scaling(
   s = scaling_fields(scaling)
   if s is None:
     return
-  if s["kind"] not in SCALING_KINDS:
+  if s["kind"] not in SCALINGS:
     raise ValueError(f"posenc.scaling.kind={s['kind']!r} is not one of {SCALING_KINDS}")
   if not s["factor"] >= 1.0:
     raise ValueError(
@@ -58,7 +56,7 @@ def check_scaling(
     )
   if s["original_max_len"] < 0:
     raise ValueError(f"posenc.scaling.original_max_len={s['original_max_len']} must be >= 0")
-  if need_original_len and s["kind"] in _NEEDS_ORIGINAL_LEN and s["original_max_len"] <= 0:
+  if need_original_len and SCALINGS[s["kind"]].needs_original_len and s["original_max_len"] <= 0:
     raise ValueError(
       f"posenc.scaling.original_max_len must be > 0 (the pretraining length) for "
       f"posenc.scaling.kind={s['kind']!r}; 0 means 'the training length' and is filled in by "
@@ -124,23 +122,9 @@ def rope_frequencies(
   inv_freq = base**-exponent
   if s is None:
     return _f32(inv_freq), 1.0
-  kind, factor, l0 = s["kind"], float(s["factor"]), s["original_max_len"]
-  if kind in ("ntk", "dynamic") and d <= 2:
-    raise ValueError(f"posenc.scaling.kind={kind!r} needs at least 4 rotary dims, got {d}")
-  if kind == "linear":
-    return _f32(inv_freq / factor), 1.0
-  if kind == "ntk":
-    return _f32((base * factor ** (d / (d - 2))) ** -exponent), 1.0
-  if kind == "dynamic":
-    return _dynamic_ntk(inv_freq, d, factor, l0, seq_len), 1.0
-  if kind in ("ntk_by_parts", "yarn"):
-    inv_freq = _yarn_inv_freq(inv_freq, d, base, factor, l0, s["beta_fast"], s["beta_slow"])
-    if kind == "ntk_by_parts":
-      return _f32(inv_freq), 1.0
-    return _f32(inv_freq), _yarn_attention_factor(factor, s["mscale"], s["mscale_all_dim"])
-  if kind == "llama3":
-    return _f32(_llama3_inv_freq(inv_freq, factor, l0, s)), 1.0
-  raise AssertionError(f"unhandled scaling kind {kind!r}")  # check_scaling rejects these
+  if s["kind"] in ("ntk", "dynamic") and d <= 2:
+    raise ValueError(f"posenc.scaling.kind={s['kind']!r} needs at least 4 rotary dims, got {d}")
+  return SCALINGS[s["kind"]](inv_freq, d, base, s, seq_len)
 
 
 def mla_softmax_factor(scaling: RopeScaling | Mapping[str, Any] | None) -> float:
@@ -162,6 +146,52 @@ def _f32(x: np.ndarray) -> jax.Array:
   return jnp.asarray(np.asarray(x, np.float32))
 
 
+# ---- The scalings: fn(inv_freq float64 [d/2], d, base, fields, seq_len) -> (inv_freq, factor) ----
+
+
+def _scaling(*, needs_original_len: bool):
+  """Marks a scaling function with whether it reads the pretraining length L0."""
+
+  def mark(fn):
+    fn.needs_original_len = needs_original_len
+    return fn
+
+  return mark
+
+
+@_scaling(needs_original_len=False)
+def _linear(inv_freq, d, base, s, seq_len):
+  return _f32(inv_freq / s["factor"]), 1.0
+
+
+@_scaling(needs_original_len=False)
+def _ntk(inv_freq, d, base, s, seq_len):
+  exponent = np.arange(0, d, 2, dtype=np.float64) / d
+  return _f32((base * float(s["factor"]) ** (d / (d - 2))) ** -exponent), 1.0
+
+
+@_scaling(needs_original_len=True)
+def _dynamic(inv_freq, d, base, s, seq_len):
+  return _dynamic_ntk(inv_freq, d, float(s["factor"]), s["original_max_len"], seq_len), 1.0
+
+
+@_scaling(needs_original_len=True)
+def _ntk_by_parts(inv_freq, d, base, s, seq_len):
+  return _f32(_yarn_inv_freq(inv_freq, d, base, s)), 1.0
+
+
+@_scaling(needs_original_len=True)
+def _yarn(inv_freq, d, base, s, seq_len):
+  factor = float(s["factor"])
+  attention_factor = _yarn_attention_factor(factor, s["mscale"], s["mscale_all_dim"])
+  return _f32(_yarn_inv_freq(inv_freq, d, base, s)), attention_factor
+
+
+@_scaling(needs_original_len=True)
+def _llama3(inv_freq, d, base, s, seq_len):
+  return _f32(_llama3_inv_freq(inv_freq, float(s["factor"]), s["original_max_len"], s)), 1.0
+
+
 def _dynamic_ntk(inv_freq, d, factor, l0, seq_len):
   # b'^(-2i/d) = b^(-2i/d) * g^(-2i/(d-2)) with g = factor * L / L0 - (factor - 1): scaling the
   # exact base frequencies by a power of g (close to 1) keeps float32 error at a few ulp, where
@@ -177,7 +207,10 @@ def _dynamic_ntk(inv_freq, d, factor, l0, seq_len):
   return _f32(inv_freq) * jnp.exp(-_f32(power) * log_g)
 
 
-def _yarn_inv_freq(inv_freq, d, base, factor, l0, beta_fast, beta_slow):
+def _yarn_inv_freq(inv_freq, d, base, s):
+  factor, l0 = float(s["factor"]), s["original_max_len"]
+  beta_fast, beta_slow = s["beta_fast"], s["beta_slow"]
+
   def correction_dim(num_rotations):
     # The dimension whose wavelength makes `num_rotations` turns over the original length.
     return d * math.log(l0 / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
@@ -211,3 +244,15 @@ def _llama3_inv_freq(inv_freq, factor, l0, s):
   smoothed = (1 - smooth) * scaled / factor + smooth * scaled
   medium = ~(wavelen < l0 / high) & ~(wavelen > l0 / low)
   return np.where(medium, smoothed, scaled)
+
+
+# The registry: a new scaling is one function here and one entry.
+SCALINGS = {
+  "linear": _linear,
+  "ntk": _ntk,
+  "dynamic": _dynamic,
+  "ntk_by_parts": _ntk_by_parts,
+  "yarn": _yarn,
+  "llama3": _llama3,
+}
+SCALING_KINDS = ("none", *SCALINGS)
