@@ -83,43 +83,18 @@ def banded_attention(
         qpos_Bb, kpos_Bb, qseg_Bb, kseg_Bb, causal=causal, window=window, window_kind=window_kind
       )
       mask_B11bb = (mask_BbBb & kvalid_Bb[:, None, :] & inside)[:, None, None]
-      m_BGRb, l_BGRb, acc_BGRbK = carry
       bias = None if bias_fn is None else bias_fn(qpos_Bb, kpos_Bb)
-      s_BGRbb = jnp.where(mask_B11bb, primitives.scores(q_BbGRK, k_BbGK, bias), primitives.NEG)
-      m_new_BGRb = jnp.maximum(m_BGRb, s_BGRbb.max(axis=-1))
-      p_BGRbb = jnp.where(mask_B11bb, jnp.exp(s_BGRbb - m_new_BGRb[..., None]), 0.0)
-      correction_BGRb = jnp.exp(m_BGRb - m_new_BGRb)
-      l_new_BGRb = l_BGRb * correction_BGRb + p_BGRbb.sum(axis=-1)
+      key = None
       if dropout_key is not None:
         key = jax.random.fold_in(jax.random.fold_in(dropout_key, qi), ki)
-        p_BGRbb = primitives.dropout(p_BGRbb, dropout_rate, key)
-      pv_BGRbK = jnp.einsum(
-        "bgrqk,bkgd->bgrqd",
-        p_BGRbb.astype(v_BbGK.dtype),
-        v_BbGK,
-        preferred_element_type=jnp.float32,
-      )
-      return (m_new_BGRb, l_new_BGRb, acc_BGRbK * correction_BGRb[..., None] + pv_BGRbK), None
+      carry = primitives.online_softmax_update(
+        carry, q_BbGRK, k_BbGK, v_BbGK, mask_B11bb, bias, dropout_rate=dropout_rate,
+        dropout_key=key,
+      )  # fmt: skip
+      return carry, None
 
-    init = (
-      jnp.full((B, G, R, b), primitives.NEG, jnp.float32),
-      jnp.zeros((B, G, R, b), jnp.float32),
-      jnp.zeros((B, G, R, b, K), jnp.float32),
-    )
-    (_, l_BGRb, acc_BGRbK), _ = jax.lax.scan(jax.checkpoint(key_block), init, jnp.arange(n_visit))
-    o_BGRbK = acc_BGRbK / jnp.where(l_BGRb == 0.0, 1.0, l_BGRb)[..., None]
-    return jnp.transpose(o_BGRbK, (0, 3, 1, 2, 4)).reshape(B, b, H, K).astype(q_BLHK.dtype)
+    init = primitives.online_softmax_init(B, G, R, b, K)
+    carry, _ = jax.lax.scan(jax.checkpoint(key_block), init, jnp.arange(n_visit))
+    return primitives.online_softmax_output(carry, q_BLHK.dtype)
 
-  def write_query_block(qi, qo_BLHK):
-    # As chunked_attention: rows before qi * b hold outputs, the rest still hold queries.
-    start = jnp.minimum(qi * b, L - b)
-    q_BbHK, qpos_Bb, qseg_Bb = (
-      jax.lax.dynamic_slice_in_dim(x, start, b, axis=1) for x in (qo_BLHK, qpos_BL, qseg_BL)
-    )
-    o_BbHK = query_block(qi, start, q_BbHK, qpos_Bb, qseg_Bb)
-    if L % b:
-      done_1b11 = (start + jnp.arange(b) < qi * b)[None, :, None, None]
-      o_BbHK = jnp.where(done_1b11, q_BbHK, o_BbHK)
-    return jax.lax.dynamic_update_slice_in_dim(qo_BLHK, o_BbHK, start, axis=1)
-
-  return jax.lax.fori_loop(0, nb, write_query_block, q_BLHK)
+  return primitives.for_each_query_block(query_block, q_BLHK, qpos_BL, qseg_BL, block)

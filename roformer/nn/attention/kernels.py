@@ -17,6 +17,10 @@ from roformer.nn.attention.primitives import (
   attention_mask,
   check_ranks,
   dropout,
+  for_each_query_block,
+  online_softmax_init,
+  online_softmax_output,
+  online_softmax_update,
   scores,
   split_blocks,
   split_heads,
@@ -145,7 +149,7 @@ def chunked_attention(
       )  # fmt: skip
   R = H // G
   bq, bk = min(block, L), min(block, S)
-  nq, nk = -(-L // bq), -(-S // bk)
+  nk = -(-S // bk)
   if qseg_BL is None:
     qseg_BL = jnp.zeros((B, L), jnp.int32)
     kseg_BS = jnp.zeros((B, S), jnp.int32)
@@ -156,7 +160,7 @@ def chunked_attention(
   )
 
   @jax.checkpoint
-  def query_block(qi, q_BqHK, qpos_Bq, qseg_Bq):
+  def query_block(qi, start, q_BqHK, qpos_Bq, qseg_Bq):
     q_BqGRK = split_heads(q_BqHK, G)
 
     def key_block(carry, k_args):
@@ -168,49 +172,23 @@ def chunked_attention(
       mask_B11qk = (mask_BqBk & kvalid_Bk[:, None, :])[:, None, None]
 
       def update(carry):
-        m_BGRq, l_BGRq, acc_BGRqK = carry
         bias = None if bias_fn is None else bias_fn(qpos_Bq, kpos_Bk)
-        s_BGRqk = jnp.where(mask_B11qk, scores(q_BqGRK, k_BkGK, bias), NEG)
-        m_new_BGRq = jnp.maximum(m_BGRq, s_BGRqk.max(axis=-1))
-        p_BGRqk = jnp.where(mask_B11qk, jnp.exp(s_BGRqk - m_new_BGRq[..., None]), 0.0)
-        correction_BGRq = jnp.exp(m_BGRq - m_new_BGRq)
-        l_new_BGRq = l_BGRq * correction_BGRq + p_BGRqk.sum(axis=-1)
+        key = None
         if dropout_key is not None:
           key = jax.random.fold_in(jax.random.fold_in(dropout_key, qi), ki)
-          p_BGRqk = dropout(p_BGRqk, dropout_rate, key)
-        pv_BGRqK = jnp.einsum(
-          "bgrqk,bkgd->bgrqd",
-          p_BGRqk.astype(v_BkGK.dtype),
-          v_BkGK,
-          preferred_element_type=jnp.float32,
-        )
-        return m_new_BGRq, l_new_BGRq, acc_BGRqK * correction_BGRq[..., None] + pv_BGRqK
+        return online_softmax_update(
+          carry, q_BqGRK, k_BkGK, v_BkGK, mask_B11qk, bias, dropout_rate=dropout_rate,
+          dropout_key=key,
+        )  # fmt: skip
 
+      # A key block no query of this block may see is skipped.
       return jax.lax.cond(mask_B11qk.any(), update, lambda c: c, carry), None
 
-    init = (
-      jnp.full((B, G, R, bq), NEG, jnp.float32),
-      jnp.zeros((B, G, R, bq), jnp.float32),
-      jnp.zeros((B, G, R, bq, K), jnp.float32),
-    )
-    (_, l_BGRq, acc_BGRqK), _ = jax.lax.scan(jax.checkpoint(key_block), init, k_xs)
-    o_BGRqK = acc_BGRqK / jnp.where(l_BGRq == 0.0, 1.0, l_BGRq)[..., None]
-    o_BqGRK = jnp.transpose(o_BGRqK, (0, 3, 1, 2, 4))
-    return o_BqGRK.reshape(B, bq, H, K).astype(q_BLHK.dtype)
+    init = online_softmax_init(B, G, R, bq, K)
+    carry, _ = jax.lax.scan(jax.checkpoint(key_block), init, k_xs)
+    return online_softmax_output(carry, q_BLHK.dtype)
 
-  def write_query_block(qi, qo_BLHK):
-    # Rows before qi * bq hold outputs already; rows from there on still hold rotated queries.
-    start = jnp.minimum(qi * bq, L - bq)
-    q_BqHK, qpos_Bq, qseg_Bq = (
-      jax.lax.dynamic_slice_in_dim(x, start, bq, axis=1) for x in (qo_BLHK, qpos_BL, qseg_BL)
-    )
-    o_BqHK = query_block(qi, q_BqHK, qpos_Bq, qseg_Bq)
-    if L % bq:
-      done_1q11 = (start + jnp.arange(bq) < qi * bq)[None, :, None, None]
-      o_BqHK = jnp.where(done_1q11, q_BqHK, o_BqHK)
-    return jax.lax.dynamic_update_slice_in_dim(qo_BLHK, o_BqHK, start, axis=1)
-
-  return jax.lax.fori_loop(0, nq, write_query_block, q_BLHK)
+  return for_each_query_block(query_block, q_BLHK, qpos_BL, qseg_BL, block)
 
 
 def auto_attention(q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS, *, block: int = 512, **kwargs):

@@ -121,3 +121,70 @@ def split_blocks(x_BT, block, value=0):
   widths[1] = (0, n * block - T)
   x_BT = jnp.pad(x_BT, widths, constant_values=value)
   return jnp.moveaxis(x_BT.reshape(B, n, block, *x_BT.shape[2:]), 1, 0)
+
+
+# ---- The blockwise kernel's body, shared by the chunked and banded kernels ----
+# Carry of the online softmax over key blocks, per query block: (m_BGRq running max of the
+# logits, l_BGRq running sum of exp(logit - m), acc_BGRqK running sum of exp(logit - m) v).
+
+
+def online_softmax_init(B: int, G: int, R: int, bq: int, K: int) -> tuple:
+  return (
+    jnp.full((B, G, R, bq), NEG, jnp.float32),
+    jnp.zeros((B, G, R, bq), jnp.float32),
+    jnp.zeros((B, G, R, bq, K), jnp.float32),
+  )
+
+
+def online_softmax_update(
+  carry, q_BqGRK, k_BkGK, v_BkGK, mask_B11qk, bias, *, dropout_rate=0.0, dropout_key=None
+) -> tuple:
+  """The carry after one key block: masked logits, a rescaled running max and sums.
+
+  Masked logits are NEG (finite), so a block whose keys are all masked leaves m unchanged and
+  adds exactly zero. Dropout drops probabilities after the denominator has them, which equals
+  dropping the normalised attention weights.
+  """
+  m_BGRq, l_BGRq, acc_BGRqK = carry
+  s_BGRqk = jnp.where(mask_B11qk, scores(q_BqGRK, k_BkGK, bias), NEG)
+  m_new_BGRq = jnp.maximum(m_BGRq, s_BGRqk.max(axis=-1))
+  p_BGRqk = jnp.where(mask_B11qk, jnp.exp(s_BGRqk - m_new_BGRq[..., None]), 0.0)
+  correction_BGRq = jnp.exp(m_BGRq - m_new_BGRq)
+  l_new_BGRq = l_BGRq * correction_BGRq + p_BGRqk.sum(axis=-1)
+  if dropout_key is not None:
+    p_BGRqk = dropout(p_BGRqk, dropout_rate, dropout_key)
+  pv_BGRqK = jnp.einsum(
+    "bgrqk,bkgd->bgrqd", p_BGRqk.astype(v_BkGK.dtype), v_BkGK, preferred_element_type=jnp.float32
+  )
+  return m_new_BGRq, l_new_BGRq, acc_BGRqK * correction_BGRq[..., None] + pv_BGRqK
+
+
+def online_softmax_output(carry, dtype) -> jax.Array:
+  """[B, bq, H, K] in `dtype` from the final carry; rows with no visible key give zeros."""
+  _, l_BGRq, acc_BGRqK = carry
+  B, G, R, bq, K = acc_BGRqK.shape
+  o_BGRqK = acc_BGRqK / jnp.where(l_BGRq == 0.0, 1.0, l_BGRq)[..., None]
+  return jnp.transpose(o_BGRqK, (0, 3, 1, 2, 4)).reshape(B, bq, G * R, K).astype(dtype)
+
+
+def for_each_query_block(query_block, q_BLHK, qpos_BL, qseg_BL, block: int) -> jax.Array:
+  """Attention outputs [B, L, H, K], query block by query block, written over the queries in
+  place: `query_block(qi, start, q_BqHK, qpos_Bq, qseg_Bq) -> o_BqHK` for blocks of `block`
+  rows starting at `start`; the last block is shifted back to end at L, and its rows that an
+  earlier block already wrote keep their output."""
+  L = q_BLHK.shape[1]
+  bq = min(block, L)
+
+  def write_query_block(qi, qo_BLHK):
+    # Rows before qi * bq hold outputs already; rows from there on still hold rotated queries.
+    start = jnp.minimum(qi * bq, L - bq)
+    q_BqHK, qpos_Bq, qseg_Bq = (
+      jax.lax.dynamic_slice_in_dim(x, start, bq, axis=1) for x in (qo_BLHK, qpos_BL, qseg_BL)
+    )
+    o_BqHK = query_block(qi, start, q_BqHK, qpos_Bq, qseg_Bq)
+    if L % bq:
+      done_1q11 = (start + jnp.arange(bq) < qi * bq)[None, :, None, None]
+      o_BqHK = jnp.where(done_1q11, q_BqHK, o_BqHK)
+    return jax.lax.dynamic_update_slice_in_dim(qo_BLHK, o_BqHK, start, axis=1)
+
+  return jax.lax.fori_loop(0, -(-L // bq), write_query_block, q_BLHK)
