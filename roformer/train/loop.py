@@ -14,13 +14,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
 from flax import nnx
+from jax.sharding import Mesh
 
 from roformer import config as config_lib
 from roformer import data as data_lib
 from roformer.config import ConfigError, RunConfig
+from roformer.data.synthetic import SyntheticBatches, SyntheticCorpus
 from roformer.errors import NonFiniteLossError
 from roformer.evals import perplexity
 from roformer.infra import checkpoint, metrics_log, preemption, prefetch, sharding
@@ -28,8 +31,28 @@ from roformer.infra import workdir as workdir_lib
 from roformer.posenc import POSENCS
 from roformer.train import state as train_state
 from roformer.train import step as train_step_lib
-from roformer.train.optimizer import decay_mask as decay_mask
 from roformer.train.optimizer import make_optimizer
+
+
+@dataclasses.dataclass
+class Sums:
+  """Train-step sums since the last log: the loss and the correct predictions over the target
+  weight, and how many steps they cover (fewer than log_every_steps after a resume)."""
+
+  loss: float = 0.0
+  correct: float = 0.0
+  weight: float = 0.0
+  steps: int = 0
+
+  def add(self, values: dict) -> None:
+    self.loss += float(values["loss_sum"])
+    self.correct += float(values["correct_sum"])
+    self.weight += float(values["weight_sum"])
+    self.steps += 1
+
+  def mean(self, total: float) -> float:
+    """`total` (the loss or correct sum) per unit of target weight."""
+    return total / max(self.weight, 1.0)
 
 
 @dataclasses.dataclass
@@ -37,10 +60,10 @@ class Setup:
   """The validated run: config, corpus, mesh and the batches of this process."""
 
   run_config: RunConfig
-  corpus: Any
-  mesh: Any
+  corpus: data_lib.Corpus | SyntheticCorpus
+  mesh: Mesh
   rules: tuple
-  batches: Any  # data.TrainBatches feeding this process's rows
+  batches: data_lib.TrainBatches | SyntheticBatches  # the rows of this process
 
 
 @dataclasses.dataclass
@@ -49,17 +72,16 @@ class Loop:
 
   setup: Setup
   workdir: epath.Path
-  manager: Any  # the Orbax CheckpointManager of DIR/checkpoints
+  manager: ocp.CheckpointManager  # of DIR/checkpoints
   writer: metrics_log.MetricsWriter
   console: metrics_log.ConsoleLog
-  model_def: Any
-  opt_def: Any
+  model_def: nnx.GraphDef
+  opt_def: nnx.GraphDef
   model_state: Any
   opt_state: Any
   start_step: int  # the step the run starts (or resumes) from
   validation: Any = None  # validation tokens, read on the first evaluation
-  sums: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(3))  # loss, correct, weight
-  steps_in_window: int = 0  # steps the sums cover (fewer than log_every_steps after a resume)
+  sums: Sums = dataclasses.field(default_factory=Sums)
   last_metrics: dict = dataclasses.field(default_factory=dict)  # the last finished step's values
   last_eval: dict = dataclasses.field(default_factory=dict)
 
@@ -162,11 +184,10 @@ def finish_step(loop: Loop, step: int, metrics: dict) -> None:
       f"non-finite loss at step {step} (loss {loss}, grad_norm {values['grad_norm']}, "
       f"parameters finite: {bool(values['params_finite'])}); the run stopped. {last_good(loop)}"
     )
-  loop.sums += [values["loss_sum"], values["correct_sum"], values["weight_sum"]]
-  loop.steps_in_window += 1
+  loop.sums.add(values)
   loop.last_metrics = values
   if loop.console.wants_progress(step):
-    loop.console.progress(step, {"train_loss": loop.sums[0] / max(loop.sums[2], 1.0)})
+    loop.console.progress(step, {"train_loss": loop.sums.mean(loop.sums.loss)})
 
 
 def log_train(loop: Loop, step: int) -> None:
@@ -174,24 +195,23 @@ def log_train(loop: Loop, step: int) -> None:
   rc = loop.config
   seconds_per_step = loop.console.rate(step)
   tokens_per_step = rc.train.global_batch_size * rc.data.seq_len
-  loss_sum, correct_sum, weight_sum = loop.sums
+  sums = loop.sums
   scalars = {
-    "train_loss": loss_sum / max(weight_sum, 1.0),
+    "train_loss": sums.mean(sums.loss),
     "learning_rate": float(loop.last_metrics["learning_rate"]),
     "tokens_per_sec": tokens_per_step / max(seconds_per_step, 1e-9),
     "grad_norm": float(loop.last_metrics["grad_norm"]),
   }
   if rc.model.kind == "encoder":
-    scalars["train_accuracy"] = correct_sum / max(weight_sum, 1.0)
-  if loop.steps_in_window != rc.train.log_every_steps:
+    scalars["train_accuracy"] = sums.mean(sums.correct)
+  if sums.steps != rc.train.log_every_steps:
     # A window cut short (the first one after a resume, the last one of a run): its average
     # covers fewer steps than an uninterrupted run's record of the same step; say how many.
-    scalars["train_loss_steps"] = loop.steps_in_window
+    scalars["train_loss_steps"] = sums.steps
   loop.writer.write(step, scalars)
-  note = f"(train_loss over {loop.steps_in_window} steps)" if "train_loss_steps" in scalars else ""
+  note = f"(train_loss over {sums.steps} steps)" if "train_loss_steps" in scalars else ""
   loop.console.line(step, scalars, seconds_per_step, note=note)
-  loop.sums[:] = 0.0
-  loop.steps_in_window = 0
+  loop.sums = Sums()
 
 
 def close(loop: Loop) -> None:
