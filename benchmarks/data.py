@@ -9,13 +9,9 @@ times only TrainBatches.batch, which should be far faster than any training step
 import argparse
 import logging
 import os
-import pathlib
-import sys
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-
-from roformer import data  # noqa: E402 (after the path setup above)
+from roformer import data
 from roformer.data.sources import cache_root  # noqa: E402
 
 CASES = (("decoder", False), ("decoder", True), ("encoder", False))

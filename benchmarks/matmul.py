@@ -11,12 +11,9 @@ uses the same number of threads as there are cores. Prints a table; --json write
 import json
 import os
 import statistics
-import sys
 import time
 
 from absl import app, flags
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 flags.DEFINE_list("sizes", ["256", "1024", "2048"], "Sides of the square matmuls.")
 flags.DEFINE_integer("repeats", 5, "Timed calls per size; the median is reported.")

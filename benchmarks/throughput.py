@@ -33,7 +33,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, _REPO)
+sys.path.insert(0, _REPO)  # the config files import configs.default
 
 config_flags.DEFINE_config_file(
   "config", os.path.join(_REPO, "configs", "mlm.py"), "Training config file.", lock_config=True

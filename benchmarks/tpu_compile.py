@@ -21,8 +21,8 @@ import bench_step
 from absl import app, flags
 from ml_collections import config_flags
 
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, _REPO)
+# The config files import configs.default.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 config_flags.DEFINE_config_file("config", None, "Training config file.", lock_config=True)
 flags.DEFINE_string("topology", "v4:2x2x4", "TPU slice, e.g. v4:2x2x4, v5e:4x4, v5p:2x2x2.")

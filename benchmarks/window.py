@@ -10,17 +10,13 @@ while full attention's time per token grows with L.
 """
 
 import argparse
-import pathlib
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-
-from roformer.nn.attention.kernels import chunked_attention  # noqa: E402 (after the path setup above)
+from roformer.nn.attention.kernels import chunked_attention
 
 
 def _inputs(length, heads, head_dim):

@@ -5,14 +5,11 @@ Usage: python experiments/unigram_entropy.py [--source=pystdlib] [--split=valida
 """
 
 import argparse
-import pathlib
-import sys
 import tempfile
 
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from roformer.data import DataConfig, load_corpus  # noqa: E402 (after the path setup above)
+from roformer.data import DataConfig, load_corpus
 
 
 def unigram_entropy(tokens: np.ndarray) -> float:
