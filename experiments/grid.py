@@ -18,7 +18,6 @@ import csv
 import dataclasses
 import hashlib
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -41,7 +40,9 @@ CSV_COLUMNS = ("run", "encoding", "scaling", "length", "protocol", "loss", "ppl"
 
 
 def cache_root() -> pathlib.Path:
-  return pathlib.Path(os.environ.get("ROFORMER_CACHE", "~/.cache/roformer")).expanduser()
+  from roformer.data.sources import cache_root as data_cache_root
+
+  return pathlib.Path(data_cache_root())
 
 
 def sotu_files() -> str:

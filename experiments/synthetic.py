@@ -183,7 +183,7 @@ def eval_spec(scale: Scale, task: str, randomized: bool) -> dict:
 
   lo, hi = scale.tasks[task]
   return {
-    "lengths": task_vs_length.default_lengths(lo, hi),
+    "lengths": task_vs_length.default_task_lengths(lo, hi),
     "examples": scale.examples,
     "position_draws": randomized_positions.EVAL_DRAWS if randomized else 0,
   }

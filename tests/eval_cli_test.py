@@ -14,7 +14,7 @@ from flax import nnx
 from configs import default
 from roformer import config as config_lib
 from roformer import runs
-from roformer.evals import ppl_vs_length
+from roformer.evals import ppl_vs_length, results
 from roformer.infra import checkpoint
 from roformer.nn.model import make_model
 
@@ -223,7 +223,7 @@ def test_eval_cli_compare_writes_one_png_of_several_runs(tmp_path):
       "records": records + [{"length": 128, "protocol": "nonoverlapping", "skipped": "too long"}],
       "per_position": {"length": 64, "loss": [1.0, 2.0, None, 3.0]},
     }
-    ppl_vs_length.write_result(result, tmp_path / name / "eval" / "ppl_vs_length.json")
+    results.write_result(result, tmp_path / name / "eval" / "ppl_vs_length.json")
   plot = tmp_path / "compare.png"
   proc = _run_cli(f"--compare={tmp_path / 'a'},{tmp_path / 'b'}", f"--plot={plot}")
   assert proc.returncode == 0, proc.stderr

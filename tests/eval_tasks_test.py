@@ -55,7 +55,7 @@ def test_eval_examples_depend_only_on_seed_length_and_depth():
 
 
 def test_default_lengths_run_from_the_training_range_to_8x():
-  assert task_vs_length.default_lengths(8, 32) == [8, 32, 64, 128, 256]
+  assert task_vs_length.default_task_lengths(8, 32) == [8, 32, 64, 128, 256]
 
 
 def test_task_plots_are_written(tmp_path):

@@ -15,10 +15,11 @@ import numpy as np
 from flax import nnx
 
 from roformer import data as data_lib
+from roformer.data import MODEL_KINDS, PROTOCOLS
 from roformer.posenc import randomized as randomized_positions
 
-MODEL_KINDS = ("decoder", "encoder")
-PROTOCOLS = ("nonoverlapping", "sliding")
+# Tokens per evaluation batch when --batch_size is 0 (windows per batch = this // length).
+AUTO_BATCH_TOKENS = 16384
 
 
 # ---- Windows ----

@@ -4,7 +4,6 @@ Writes DIR/eval/NAME.json and NAME.png (docs/design.md, "Workdir"); perplexity.p
 """
 
 import dataclasses
-import json
 import time
 from collections.abc import Callable, Sequence
 
@@ -14,8 +13,8 @@ from etils import epath
 from roformer import config as config_lib
 from roformer import data as data_lib
 from roformer import runs
-from roformer.evals import perplexity, plots
-from roformer.evals.perplexity import PROTOCOLS
+from roformer.evals import perplexity, plots, results
+from roformer.evals.perplexity import AUTO_BATCH_TOKENS, PROTOCOLS
 from roformer.evals.plots import DEFAULT_NAME
 from roformer.infra import workdir as workdir_lib
 from roformer.posenc import POSENCS
@@ -23,10 +22,6 @@ from roformer.posenc import randomized as randomized_positions
 
 # Positions kept in the JSON's per-position curve; longer windows are averaged over equal bins.
 MAX_POSITION_POINTS = 256
-# Tokens per batch when --batch_size is 0 (windows per batch = this // length).
-AUTO_BATCH_TOKENS = 16384
-
-
 DEFAULT_MAX_TOKENS = 65536  # eval.py --max_tokens
 
 
@@ -258,8 +253,8 @@ def evaluate_workdir(
   json_path = workdir / "eval" / f"{name}.json"
   if json_path.exists() and not overwrite:
     raise FileExistsError(
-      f"{json_path} exists{_step_of(json_path)}; pass --overwrite to replace it, or --out=NAME "
-      "to write DIR/eval/NAME.json"
+      f"{json_path} exists{results.step_of(json_path)}; pass --overwrite to replace it, or "
+      "--out=NAME to write DIR/eval/NAME.json"
     )
 
   def config_at(length: int):
@@ -376,7 +371,7 @@ def evaluate_workdir(
     "records": records,
     "per_position": per_position,
   }
-  json_path = write_result(result, json_path)
+  json_path = results.write_result(result, json_path)
   png_path = plots.plot_runs(
     [(plots.run_label(workdir.name, result), result, seq_len)],
     json_path.with_suffix(".png"),
@@ -394,18 +389,3 @@ def _scaling_record(model_cfg, rope_scaling: str, rope_factor) -> dict | None:
   if scaling.kind == "none" or not POSENCS[model_cfg.posenc.kind].accepts_rope_scaling:
     return None
   return {"kind": scaling.kind, "factor": scaling.factor}
-
-
-def _step_of(json_path: epath.Path) -> str:
-  try:
-    return f" (step {json.loads(json_path.read_text())['step']})"
-  except (ValueError, KeyError, TypeError):
-    return ""
-
-
-def write_result(result: dict, path) -> epath.Path:
-  """Writes an eval JSON (through epath, so gs:// works)."""
-  path = epath.Path(path)
-  path.parent.mkdir(parents=True, exist_ok=True)
-  path.write_text(json.dumps(result, indent=2) + "\n")
-  return path

@@ -31,16 +31,16 @@ from roformer import config as config_lib
 from roformer import runs
 from roformer.data import synthetic
 from roformer.data.tokenizer import ByteTokenizer
-from roformer.evals import ppl_vs_length, task_plots
+from roformer.evals import results, task_plots
+from roformer.evals.perplexity import AUTO_BATCH_TOKENS
 from roformer.posenc import randomized as randomized_positions
 
 DEFAULT_NAME = task_plots.DEFAULT_NAME
 PASSKEY_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 _EVAL_STREAM = 6  # seed-sequence stream of evaluation examples (training uses 2)
-AUTO_BATCH_TOKENS = 16384
 
 
-def default_lengths(min_len: int, max_len: int) -> list[int]:
+def default_task_lengths(min_len: int, max_len: int) -> list[int]:
   """The training range's ends, then 2x, 4x and 8x the longest training length."""
   return sorted({min_len, max_len, 2 * max_len, 4 * max_len, 8 * max_len})
 
@@ -171,7 +171,7 @@ def evaluate_tasks(
     )
   if num_examples < 1:
     raise ValueError(f"--task_examples must be >= 1, got {num_examples}")
-  lengths = sorted(set(int(n) for n in lengths)) or default_lengths(
+  lengths = sorted(set(int(n) for n in lengths)) or default_task_lengths(
     data.task_min_len, data.task_max_len
   )
   if lengths[0] < 1:
@@ -242,7 +242,7 @@ def evaluate_tasks(
     }
     log("passkey exact match by depth (rows) x length (columns): " + str(grid))
   name = out or DEFAULT_NAME
-  json_path = ppl_vs_length.write_result(result, workdir / "eval" / f"{name}.json")
+  json_path = results.write_result(result, workdir / "eval" / f"{name}.json")
   png_path = task_plots.plot_task_runs(
     [(task_plots.run_label(workdir.name, result), result)],
     json_path.with_suffix(".png"),

@@ -45,9 +45,9 @@ class Source(abc.ABC):
     return ds
 
 
-def cache_root(cfg: DataConfig) -> str:
+def cache_root(cfg: DataConfig | None = None) -> str:
   """data.cache_dir, else $ROFORMER_CACHE, else ~/.cache/roformer."""
-  root = cfg.cache_dir or os.environ.get("ROFORMER_CACHE") or "~/.cache/roformer"
+  root = (cfg.cache_dir if cfg else "") or os.environ.get("ROFORMER_CACHE") or "~/.cache/roformer"
   return os.path.abspath(os.path.expanduser(root))
 
 
