@@ -1,8 +1,7 @@
 """A small RoPE decoder (1.8M parameters) on the Python standard library's bytes.
 
 Run: python train.py --config=configs/quickstart.py --workdir=/tmp/quickstart
-On a 2-core CPU it trains 700 steps (1.4M bytes) in about 4 minutes and reaches a validation loss
-of about 1.47 nats per byte (the validation text's unigram entropy is 3.18 nats per byte).
+700 steps of 16 x 128 bytes; its time and validation loss are in the README's quickstart.
 """
 
 from configs import default
