@@ -114,6 +114,7 @@ def main(argv):
     import jax
 
     from roformer.evals import ppl_vs_length
+    from roformer.evals import spec as spec_lib
 
     print(f"JAX devices: {jax.devices()}", flush=True)
     if FLAGS.task_lengths:
@@ -135,14 +136,12 @@ def main(argv):
       return
     if not all(x.strip().isdigit() for x in FLAGS.lengths):
       raise ValueError(f"--lengths must be positive integers, got {','.join(FLAGS.lengths)}")
-    ppl_vs_length.evaluate_workdir(
-      FLAGS.workdir,
+    spec = spec_lib.spec_from_options(
       lengths=[int(x) for x in FLAGS.lengths],
       protocol=FLAGS.protocol,
       stride=FLAGS.stride,
       max_tokens=FLAGS.max_tokens,
       split=FLAGS.split,
-      step=FLAGS.step,
       batch_size=FLAGS.batch_size,
       rope_scaling=FLAGS.rope_scaling,
       rope_factor=FLAGS.rope_factor,
@@ -150,8 +149,13 @@ def main(argv):
       bca=FLAGS.bca,
       data_files=FLAGS.data_files,
       out=FLAGS.out,
-      overwrite=FLAGS.overwrite,
       position_draws=FLAGS.position_draws,
+    )
+    ppl_vs_length.evaluate_workdir(
+      FLAGS.workdir,
+      spec,
+      step=FLAGS.step,
+      overwrite=FLAGS.overwrite,
       log=lambda line: print(line, flush=True),
     )
   except (ValueError, FileNotFoundError, FileExistsError) as e:

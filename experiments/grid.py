@@ -252,7 +252,7 @@ def make_config(base: str, overrides: dict):
 
 @dataclasses.dataclass
 class Eval:
-  """One eval.py evaluation of a run (arguments of ppl_vs_length.evaluate_workdir)."""
+  """One eval.py evaluation of a run (its options: `evals.spec.spec_from_options`)."""
 
   scaling: str = "none"  # label in the CSV: none, a RoPE scaling kind, "bca", ...
   kwargs: dict = dataclasses.field(default_factory=dict)
@@ -407,14 +407,16 @@ def finished_records(runs: Sequence[Run], out: pathlib.Path) -> list[dict]:
 
 def _evaluate(workdir: pathlib.Path, ev: Eval) -> dict:
   from roformer.evals import ppl_vs_length
+  from roformer.evals import spec as spec_lib
 
   name = f"grid_{ev.scaling}"
   existing = workdir / "eval" / f"{name}.json"
   if existing.exists():
     result = json.loads(existing.read_text())
   else:
+    spec = spec_lib.spec_from_options(out=name, **ev.kwargs)
     result, _ = ppl_vs_length.evaluate_workdir(
-      workdir, out=name, log=lambda line: print("    " + line, flush=True), **ev.kwargs
+      workdir, spec, log=lambda line: print("    " + line, flush=True)
     )
   return {"scaling": ev.scaling, "result": result}
 

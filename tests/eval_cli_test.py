@@ -14,7 +14,7 @@ from flax import nnx
 from configs import default
 from roformer import config as config_lib
 from roformer import runs
-from roformer.evals import ppl_vs_length, results
+from roformer.evals import ppl_vs_length, results, spec
 from roformer.infra import checkpoint
 from roformer.nn.model import make_model
 
@@ -67,10 +67,11 @@ def rope_run(tmp_path_factory):
   return _make_run(tmp_path_factory.mktemp("runs"), "rope_run")
 
 
-def _evaluate(workdir, **kwargs):
-  args = dict(lengths=[32, 64], max_tokens=128, batch_size=2, log=lambda line: None)
-  args.update(kwargs)
-  return ppl_vs_length.evaluate_workdir(workdir, **args)
+def _evaluate(workdir, *, step=None, overwrite=False, log=lambda _: None, **options):
+  options = dict(dict(lengths=[32, 64], max_tokens=128, batch_size=2), **options)
+  return ppl_vs_length.evaluate_workdir(
+    workdir, spec.spec_from_options(**options), step=step, overwrite=overwrite, log=log
+  )
 
 
 def _run_cli(*args):
@@ -166,31 +167,33 @@ def test_eval_model_config_dense_attention_becomes_auto():
   assert dense.attention_impl == "auto"
 
 
+def _name(**options):
+  return spec.output_name(spec.spec_from_options(**options), seq_len=256)
+
+
 def test_default_lengths_and_output_name():
-  default = ppl_vs_length.default_lengths(256)
+  default = spec.default_lengths(256)
   assert default == [256, 512, 1024, 2048, 4096]
-  assert ppl_vs_length.output_name() == "ppl_vs_length"
-  assert ppl_vs_length.output_name(lengths=default[::-1], default=default) == "ppl_vs_length"
+  assert _name() == "ppl_vs_length"
+  assert _name(lengths=default[::-1]) == "ppl_vs_length"
   # What changes the result changes the name: lengths, protocol, stride.
   assert (
-    ppl_vs_length.output_name(lengths=[512, 256], default=default, protocol="sliding", stride=64)
+    _name(lengths=[512, 256], protocol="sliding", stride=64)
     == "ppl_vs_length_len256-512_sliding_stride64"
   )
-  assert ppl_vs_length.output_name(protocol="nonoverlapping", stride=64) == (
-    "ppl_vs_length_nonoverlapping"
-  )
-  assert ppl_vs_length.output_name(protocol="both", stride=32) == "ppl_vs_length_stride32"
-  assert ppl_vs_length.output_name(rope_scaling="yarn", rope_factor=4.0) == "ppl_vs_length_yarn_4"
-  assert ppl_vs_length.output_name("mine", rope_scaling="yarn", rope_factor=4.0) == "mine"
-  assert ppl_vs_length.output_name(split="test") == "ppl_vs_length_test"
+  assert _name(protocol="nonoverlapping", stride=64) == "ppl_vs_length_nonoverlapping"
+  assert _name(protocol="both", stride=32) == "ppl_vs_length_stride32"
+  assert _name(rope_scaling="yarn", rope_factor=4.0) == "ppl_vs_length_yarn_4"
+  assert _name(out="mine", rope_scaling="yarn", rope_factor=4.0) == "mine"
+  assert _name(split="test") == "ppl_vs_length_test"
   # Two evaluations of different sizes never share a name.
-  assert ppl_vs_length.output_name(max_tokens=8192) == "ppl_vs_length_tok8192"
-  assert ppl_vs_length.output_name(max_tokens=ppl_vs_length.DEFAULT_MAX_TOKENS) == "ppl_vs_length"
-  assert ppl_vs_length.output_name(data_files="a/*.txt", split="test") == "ppl_vs_length_files"
-  assert (
-    ppl_vs_length.output_name(split="test", rope_scaling="ntk", rope_factor=2.0)
-    == "ppl_vs_length_test_ntk_2"
-  )
+  assert _name(max_tokens=8192) == "ppl_vs_length_tok8192"
+  assert _name(max_tokens=spec.DEFAULT_MAX_TOKENS) == "ppl_vs_length"
+  assert _name(data_files="a/*.txt", split="test") == "ppl_vs_length_files"
+  assert _name(split="test", rope_scaling="ntk", rope_factor=2.0) == "ppl_vs_length_test_ntk_2"
+  # An imposed window, and BCA with blocks of the training length by default.
+  assert _name(attention_window=64) == "ppl_vs_length_window64"
+  assert _name(bca=True) == "ppl_vs_length_bca256"
 
 
 def test_bin_positions_averages_weighted_loss_per_bin():

@@ -14,7 +14,7 @@ from flax import nnx
 from configs import default
 from roformer import config as config_lib
 from roformer import data, runs
-from roformer.evals import perplexity, plots, ppl_vs_length
+from roformer.evals import perplexity, plots, ppl_vs_length, spec
 from roformer.nn.attention import kernels as attention
 from roformer.nn.attention import primitives
 from roformer.nn.model import ModelConfig, make_model, resolve_embed_scale, unsupported_length
@@ -187,24 +187,23 @@ def test_eval_labels_xpos_without_bca_honestly():
   ) == ["BCA 64"]
   label = plots.run_label("run", {"posenc": "xpos", "notes": ["no BCA"]})
   assert label == "run (xpos, no BCA)"
-  assert (
-    ppl_vs_length.output_name(attention_window=64, window_kind="blockwise") == "ppl_vs_length_bca64"
-  )
+  assert spec.output_name(spec.EvalSpec(window=64, bca=True), seq_len=32) == "ppl_vs_length_bca64"
 
 
 # ---- RoPE scaling factor per length ----
 
 
 def test_auto_rope_factor_is_target_over_training_length():
-  assert ppl_vs_length.parse_rope_factor("auto") == "auto"
-  assert ppl_vs_length.factor_at("auto", 512, 128) == 4.0
-  assert ppl_vs_length.factor_at("auto", 64, 128) == 1.0
-  assert ppl_vs_length.factor_at(2.0, 512, 128) == 2.0
-  assert (
-    ppl_vs_length.output_name(rope_scaling="yarn", rope_factor="auto") == "ppl_vs_length_yarn_auto"
-  )
+  assert spec.parse_rope_factor("auto") == "auto"
+  assert spec.factor_at("auto", 512, 128) == 4.0
+  assert spec.factor_at("auto", 64, 128) == 1.0
+  assert spec.factor_at(2.0, 512, 128) == 2.0
+  yarn_auto = spec.EvalSpec(rope=spec.RopeOverride("yarn", "auto"))
+  assert spec.output_name(yarn_auto, seq_len=128) == "ppl_vs_length_yarn_auto"
   with pytest.raises(ValueError, match="--rope_factor must be a number or 'auto'"):
-    ppl_vs_length.parse_rope_factor("fast")
+    spec.parse_rope_factor("fast")
+  with pytest.raises(ValueError, match="--rope_factor must be a number or 'auto'"):
+    spec.RopeOverride("yarn", "fast")
 
 
 def test_original_max_len_defaults_to_the_init_from_runs_length(tmp_path):

@@ -1,0 +1,168 @@
+"""What one perplexity evaluation asks for, as data: lengths, protocols, tokens, overrides.
+
+eval.py (and the grids) turn their options into an `EvalSpec` with `spec_from_options`, the one
+place where command-line shapes (a factor "auto" or a number, a protocol "both") are parsed; the
+driver (ppl_vs_length.py) reads only the spec. The spec also names its result file
+(`output_name`), so two evaluations that differ never share DIR/eval/NAME.json.
+"""
+
+import dataclasses
+from collections.abc import Sequence
+
+from roformer.evals.perplexity import PROTOCOLS
+from roformer.evals.plots import DEFAULT_NAME
+from roformer.posenc import randomized as randomized_positions
+from roformer.posenc.rope_scaling import SCALING_KINDS
+
+DEFAULT_MAX_TOKENS = 65536  # eval.py --max_tokens
+AUTO_FACTOR = "auto"
+
+
+def default_lengths(seq_len: int) -> list[int]:
+  """The training length to 16x by powers of two."""
+  return [seq_len * 2**i for i in range(5)]
+
+
+def parse_rope_factor(value: str | float) -> float | str:
+  """--rope_factor: a number >= 1, or "auto" (target length / training length at each length)."""
+  if isinstance(value, str) and value.strip() == AUTO_FACTOR:
+    return AUTO_FACTOR
+  try:
+    factor = float(value)
+  except ValueError:
+    raise ValueError(f"--rope_factor must be a number or 'auto', got {value!r}") from None
+  if not factor > 0:
+    raise ValueError(f"--rope_factor must be > 0, got {value!r}")
+  return factor
+
+
+def factor_at(rope_factor: float | str, length: int, seq_len: int) -> float:
+  """The scaling factor at `length`: the given one, or for "auto" s = length / training length
+  (at least 1), as Position Interpolation and YaRN set s for a target context."""
+  if rope_factor == AUTO_FACTOR:
+    return max(1.0, length / seq_len)
+  return float(rope_factor)
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeOverride:
+  """A RoPE scaling applied at evaluation: a SCALING_KINDS kind and its factor, a number or
+  AUTO_FACTOR (the evaluated length over the training length, at each length)."""
+
+  kind: str
+  factor: float | str = 1.0
+
+  def __post_init__(self):
+    if self.kind not in SCALING_KINDS or self.kind == "none":
+      raise ValueError(f"--rope_scaling must be one of {SCALING_KINDS}, got {self.kind!r}")
+    object.__setattr__(self, "factor", parse_rope_factor(self.factor))
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSpec:
+  """One evaluation of a run's checkpoint.
+
+  Attributes:
+    lengths: window lengths, sorted; () = the training length to 16x (`default_lengths`).
+    protocol: "nonoverlapping", "sliding" or "both".
+    stride: sliding stride; 0 = length // 4.
+    max_tokens: scored tokens per length (rounded down to whole windows of the longest length).
+    split: "validation" or "test" of the run's corpus.
+    data_files: a glob of other text, tokenized with the run's tokenizer (replaces `split`).
+    batch_size: windows per batch; 0 = about AUTO_BATCH_TOKENS tokens per batch.
+    rope: a RoPE scaling applied at evaluation; None = as trained.
+    window: a sliding attention window imposed at evaluation (0 = as trained).
+    bca: xPos's blockwise causal attention with blocks of `window`, or of the training length
+      when `window` is 0.
+    position_draws: draws of positions at which a run trained with randomized positions is
+      scored (the loss is their mean).
+    out: NAME of DIR/eval/NAME.json; "" = `output_name`.
+  """
+
+  lengths: tuple[int, ...] = ()
+  protocol: str = "both"
+  stride: int = 0
+  max_tokens: int = DEFAULT_MAX_TOKENS
+  split: str = "validation"
+  data_files: str = ""
+  batch_size: int = 0
+  rope: RopeOverride | None = None
+  window: int = 0
+  bca: bool = False
+  position_draws: int = randomized_positions.EVAL_DRAWS
+  out: str = ""
+
+  def __post_init__(self):
+    if self.protocol not in (*PROTOCOLS, "both"):
+      raise ValueError(f"--protocol must be one of {PROTOCOLS + ('both',)}, got {self.protocol!r}")
+    lengths = tuple(sorted({int(x) for x in self.lengths}))
+    if lengths and lengths[0] < 1:
+      raise ValueError(f"--lengths must be positive, got {list(lengths)}")
+    object.__setattr__(self, "lengths", lengths)
+    if self.window < 0:
+      raise ValueError(f"--window must be > 0, got {self.window}")
+
+  @property
+  def protocols(self) -> tuple[str, ...]:
+    return PROTOCOLS if self.protocol == "both" else (self.protocol,)
+
+  @property
+  def window_kind(self) -> str:
+    return "blockwise" if self.bca else "sliding"
+
+  def lengths_for(self, seq_len: int) -> list[int]:
+    """The evaluated lengths of a run trained at `seq_len`."""
+    return list(self.lengths) or default_lengths(seq_len)
+
+  def window_for(self, seq_len: int) -> int:
+    """The imposed attention window: BCA blocks default to the training length."""
+    return self.window or (seq_len if self.bca else 0)
+
+
+def spec_from_options(
+  *,
+  lengths: Sequence[int] = (),
+  rope_scaling: str = "none",
+  rope_factor: float | str = 1.0,
+  attention_window: int = 0,
+  **fields,
+) -> EvalSpec:
+  """An EvalSpec from eval.py's options (and the grids' recorded ones): `rope_scaling` "none"
+  means no override, and `attention_window` is the spec's `window`."""
+  rope = None if rope_scaling == "none" else RopeOverride(rope_scaling, rope_factor)
+  if rope is None:
+    parse_rope_factor(rope_factor)  # a bad --rope_factor is an error even without a scaling
+  return EvalSpec(lengths=tuple(lengths), rope=rope, window=attention_window, **fields)
+
+
+def output_name(spec: EvalSpec, *, seq_len: int) -> str:
+  """NAME of DIR/eval/NAME.json: `spec.out`, else ppl_vs_length with a suffix per non-default
+  choice.
+
+  Evaluating other text (`_files`), the test split (`_test`), other lengths (`_len256-512`), one
+  protocol (`_sliding`), a stride (`_stride64`), another number of scored tokens (`_tok8192`), a
+  RoPE scaling (`_<scaling>_<factor>`, factor "auto" too) or an attention window (`_window<W>`,
+  `_bca<W>`) never overwrites the plain validation result.
+  """
+  if spec.out:
+    return spec.out
+  name = DEFAULT_NAME
+  if spec.data_files:
+    name += "_files"
+  elif spec.split != "validation":
+    name += f"_{spec.split}"
+  if spec.lengths and list(spec.lengths) != default_lengths(seq_len):
+    name += "_len" + "-".join(str(x) for x in spec.lengths)
+  if spec.protocol != "both":
+    name += f"_{spec.protocol}"
+  if spec.stride and spec.protocol != "nonoverlapping":
+    name += f"_stride{spec.stride}"
+  if spec.max_tokens != DEFAULT_MAX_TOKENS:
+    name += f"_tok{spec.max_tokens}"
+  if spec.rope is not None:
+    factor = spec.rope.factor
+    name += f"_{spec.rope.kind}_{factor if factor == AUTO_FACTOR else f'{float(factor):g}'}"
+  window = spec.window_for(seq_len)
+  if window:
+    name += f"_{'bca' if spec.bca else 'window'}{window}"
+  return name
