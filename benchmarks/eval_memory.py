@@ -47,14 +47,13 @@ def _child(length: int) -> dict:
   # A prefix of `length` tokens, then `length` scored targets: exactly one window.
   tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, 2 * length + 1).astype(np.int32)
   window_args = dict(
-    model_kind="decoder",
     length=length,
     protocol="nonoverlapping",
     stride=length,
     max_tokens=length,
     max_length=length,
   )
-  windows = perplexity.make_windows(tokens, **window_args)
+  windows = perplexity.make_windows(tokens, model_kind="decoder", **window_args)
   graphdef, state = nnx.split(model)
   compiled = perplexity.score_batch.lower(
     graphdef,

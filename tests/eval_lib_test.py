@@ -53,7 +53,7 @@ def _direct_loss(model, windows):
 
 
 def _evaluate(model, tokens, **kwargs):
-  args = dict(model_kind="decoder", stride=0, max_tokens=256, max_length=64, batch_size=4)
+  args = dict(stride=0, max_tokens=256, max_length=64, batch_size=4)
   args.update(kwargs)
   args["stride"] = args["stride"] or args["length"]
   return perplexity.evaluate_at_length(model, tokens, **args)
@@ -150,10 +150,12 @@ def test_evaluate_at_length_blockwise_matches_full_logits_loss():
 
 def test_evaluate_at_length_encoder_reports_masked_loss_and_accuracy():
   model, tokens = _model(kind="encoder"), _tokens()
-  kwargs = dict(model_kind="encoder", length=32, protocol="nonoverlapping", stride=32)
+  kwargs = dict(length=32, protocol="nonoverlapping", stride=32)
   kwargs.update(tokenizer=ByteTokenizer(), mlm_probability=0.15, seed=3)
   r = _evaluate(model, tokens, **kwargs)
-  windows = perplexity.make_windows(tokens, **kwargs, max_tokens=256, max_length=64)
+  windows = perplexity.make_windows(
+    tokens, model_kind="encoder", **kwargs, max_tokens=256, max_length=64
+  )
   loss, accuracy = _direct_loss(model, windows)
   assert r["loss"] == pytest.approx(loss, abs=1e-5)
   assert r["accuracy"] == pytest.approx(accuracy, abs=1e-9)
@@ -165,9 +167,7 @@ def test_evaluate_at_length_encoder_reports_masked_loss_and_accuracy():
 
 def test_evaluate_at_length_encoder_without_tokenizer_raises():
   with pytest.raises(ValueError, match="tokenizer"):
-    _evaluate(
-      _model(kind="encoder"), _tokens(), model_kind="encoder", length=32, protocol="nonoverlapping"
-    )
+    _evaluate(_model(kind="encoder"), _tokens(), length=32, protocol="nonoverlapping")
 
 
 def test_score_windows_position_sums_add_up_to_the_loss_sum():

@@ -378,7 +378,6 @@ def evaluate_at_length(
   model,
   tokens,
   *,
-  model_kind: str,
   length: int,
   protocol: str,
   stride: int,
@@ -399,9 +398,8 @@ def evaluate_at_length(
   protocol "nonoverlapping", stride = seq_len and max_tokens = train.eval_max_tokens.
 
   Args:
-    model: an Encoder or Decoder.
+    model: an Encoder or Decoder (next-token loss, or masked-token loss and accuracy).
     tokens: int [T] token stream of the split.
-    model_kind: "decoder" (next-token loss) or "encoder" (masked-token loss and accuracy).
     length: window length L.
     protocol: "nonoverlapping" or "sliding" (windows ending every `stride`, scoring their last
       `stride` tokens).
@@ -419,6 +417,7 @@ def evaluate_at_length(
     {"loss", "ppl", "tokens", "loss_sum", "weight_sum"} (+ "accuracy" for encoders); loss is the
     weighted mean NLL in nats, tokens the number of scored targets.
   """
+  model_kind = model.cfg.kind
   windows = make_windows(
     tokens,
     model_kind=model_kind,

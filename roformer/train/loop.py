@@ -126,7 +126,6 @@ def evaluate(loop: Loop, step: int) -> None:
     result = perplexity.evaluate_at_length(
       model,
       loop.validation,
-      model_kind=rc.model.kind,
       length=seq_len,
       protocol="nonoverlapping",
       stride=seq_len,
