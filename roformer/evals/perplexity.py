@@ -417,10 +417,24 @@ def evaluate_at_length(
     {"loss", "ppl", "tokens", "loss_sum", "weight_sum"} (+ "accuracy" for encoders); loss is the
     weighted mean NLL in nats, tokens the number of scored targets.
   """
-  model_kind = model.cfg.kind
+  windows, scores, _ = score_at_length(
+    model, tokens, length=length, protocol=protocol, stride=stride, max_tokens=max_tokens,
+    max_length=max_length, batch_size=batch_size, tokenizer=tokenizer,
+    mlm_probability=mlm_probability, seed=seed, packed=packed, randomize_max=randomize_max,
+    draws=draws, progress=progress,
+  )  # fmt: skip
+  return summarize(scores, model_kind=model.cfg.kind, num_tokens=windows.num_tokens)
+
+
+def score_at_length(model, tokens, *, length, protocol, stride, max_tokens, max_length,
+                    batch_size, tokenizer=None, mlm_probability=0.15, seed=0, packed=False,
+                    randomize_max=0, draws=randomized_positions.EVAL_DRAWS,
+                    progress=None) -> tuple[Windows, Scores, list[float]]:  # fmt: skip
+  """The windows of `length` and `model`'s scores on them (arguments as `evaluate_at_length`),
+  with each draw's loss when scored at randomized positions (else [])."""
   windows = make_windows(
     tokens,
-    model_kind=model_kind,
+    model_kind=model.cfg.kind,
     length=length,
     protocol=protocol,
     stride=stride,
@@ -431,7 +445,7 @@ def evaluate_at_length(
     seed=seed,
     packed=packed,
   )
-  scores, _ = score_windows_at_positions(
+  scores, draw_losses = score_windows_at_positions(
     model,
     windows,
     batch_size=batch_size,
@@ -440,4 +454,4 @@ def evaluate_at_length(
     draws=draws,
     progress=progress,
   )
-  return summarize(scores, model_kind=model_kind, num_tokens=windows.num_tokens)
+  return windows, scores, draw_losses

@@ -148,6 +148,11 @@ def plot_runs(runs: Sequence[tuple[str, dict, int]], path, *, title: str = "") -
     place_legend(fig, ax_pos)
   if title:
     fig.suptitle(title)
+  return save_figure(fig, path)
+
+
+def save_figure(fig, path) -> epath.Path:
+  """Writes `fig` as a PNG through epath (so gs:// works) and closes it."""
   buffer = io.BytesIO()
   fig.savefig(buffer, format="png", dpi=120)
   plt.close(fig)

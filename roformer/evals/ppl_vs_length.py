@@ -132,7 +132,7 @@ def evaluate_workdir(
       f"{json_path} exists{results.step_of(json_path)}; pass --overwrite to replace it, or "
       "--out=NAME to write DIR/eval/NAME.json"
     )
-  lengths = spec.lengths_for(seq_len)
+  lengths, window = spec.lengths_for(seq_len), spec.window_for(seq_len)
   if spec.stride and spec.stride > lengths[0] and "sliding" in spec.protocols:
     raise ValueError(f"--stride={spec.stride} is longer than the shortest length {lengths[0]}")
 
@@ -143,7 +143,7 @@ def evaluate_workdir(
       seq_len=seq_len,
       rope_scaling=rope.kind if rope else "none",
       rope_factor=factor_at(rope.factor, length, seq_len) if rope else 1.0,
-      attention_window=spec.window_for(seq_len),
+      attention_window=window,
       window_kind=spec.window_kind,
     )
 
@@ -187,11 +187,7 @@ def evaluate_workdir(
     "step": int(step),
     "posenc": model_cfg.posenc.kind,
     "rope_scaling": _scaling_record(model_cfg, spec.rope),
-    "attention_window": (
-      {"kind": spec.window_kind, "size": spec.window_for(seq_len)}
-      if spec.window_for(seq_len)
-      else None
-    ),
+    "attention_window": ({"kind": spec.window_kind, "size": window} if window else None),
     "notes": label_notes(
       model_cfg,
       trained_window=run_config.model.attention_window,
@@ -222,25 +218,20 @@ def _evaluate_length(model, tokens, tokenizer, run_config, spec, length, proto, 
   start = time.perf_counter()
   model_kind = model.cfg.kind
   stride = spec.stride or max(1, length // 4)
-  windows = perplexity.make_windows(
+  windows, scores, draw_losses = perplexity.score_at_length(
+    model,
     tokens,
-    model_kind=model_kind,
     length=length,
     protocol=proto,
     stride=stride,
     max_tokens=spec.max_tokens,
     max_length=max_length,
+    batch_size=spec.batch_size or max(1, AUTO_BATCH_TOKENS // length),
     tokenizer=tokenizer,
     mlm_probability=run_config.data.mlm_probability,
-    seed=run_config.train.seed,  # the training loop's evaluation mask
+    seed=run_config.train.seed,  # the training loop's evaluation mask and position draws
     packed=run_config.data.pack,
-  )
-  scores, draw_losses = perplexity.score_windows_at_positions(
-    model,
-    windows,
-    batch_size=spec.batch_size or max(1, AUTO_BATCH_TOKENS // length),
     randomize_max=model.cfg.posenc.randomize_max,
-    seed=run_config.train.seed,
     draws=spec.position_draws,
     progress=_Progress(log, prefix, length),
   )

@@ -3,7 +3,6 @@
 No JAX here, so `eval.py --compare` draws task results without loading a model.
 """
 
-import io
 from collections.abc import Sequence
 
 import matplotlib
@@ -25,16 +24,6 @@ def run_label(name: str, result: dict) -> str:
   if result.get("randomize_max"):
     details.append(f"randomized to {result['randomize_max']}")
   return f"{name} ({', '.join(details)})" if details else name
-
-
-def _save(fig, path) -> epath.Path:
-  buffer = io.BytesIO()
-  fig.savefig(buffer, format="png", dpi=120)
-  plt.close(fig)
-  path = epath.Path(path)
-  path.parent.mkdir(parents=True, exist_ok=True)
-  path.write_bytes(buffer.getvalue())
-  return path
 
 
 def _colors(count: int) -> list:
@@ -84,7 +73,7 @@ def plot_task_runs(runs: Sequence[tuple[str, dict]], path, *, title: str = "") -
   plots.place_legend(fig, ax)
   task = runs[0][1].get("task", "") if runs else ""
   ax.set_title(title or f"{task}: accuracy vs length")
-  return _save(fig, path)
+  return plots.save_figure(fig, path)
 
 
 METRIC_LABELS = {"exact_match": "exact match", "token_accuracy": "per-token accuracy"}
@@ -107,7 +96,7 @@ def plot_task_grid(
     baseline: {"label", "lengths", "exact_match", "token_accuracy"}: a reference drawn in every
       panel (e.g. associative recall's predictor that never looks a key up).
   """
-  return _save(task_grid_figure(panels, title=title, baseline=baseline), path)
+  return plots.save_figure(task_grid_figure(panels, title=title, baseline=baseline), path)
 
 
 def task_grid_figure(
@@ -178,7 +167,7 @@ def plot_passkey_heatmap(result: dict, path) -> epath.Path:
       ax.text(c, r, f"{value:.2f}", ha="center", va="center", fontsize=8)
   fig.colorbar(image, ax=ax, label="exact match")
   ax.set_title(f"passkey retrieval ({result.get('posenc', '?')})")
-  return _save(fig, path)
+  return plots.save_figure(fig, path)
 
 
 def compare_runs(sources: Sequence[str], plot, *, name: str = DEFAULT_NAME) -> epath.Path:
