@@ -1,5 +1,6 @@
 """Decoder language model (causal LM) on the Python standard library, RoPE by default.
 
+The model and data are default.py's; this file sets the batch and the number of steps.
 Run: python train.py --config=configs/lm.py --workdir=DIR [--config.posenc.kind=alibi]
 """
 
@@ -8,12 +9,6 @@ from configs import default
 
 def get_config():
   config = default.get_config()
-  config.model.kind = "decoder"
-  config.model.num_layers = 6
-  config.model.emb_dim = 512
-  config.model.num_heads = 8
-  config.model.mlp_dim = 2048
-  config.data.seq_len = 512
   config.train.global_batch_size = 32
   config.train.num_train_steps = 50_000
   return config

@@ -9,13 +9,9 @@ from configs import default
 def get_config():
   config = default.get_config()
   config.model.kind = "encoder"
-  config.model.pre_norm = False
   config.model.norm_eps = 1e-12
   config.model.dropout_rate = 0.1
   config.data.tokenizer = "wordpiece"
-  config.data.vocab_size = 8192
-  config.data.seq_len = 512
-  config.data.mlm_probability = 0.15
   config.optim.learning_rate = 1e-4
   config.optim.b2 = 0.999
   config.optim.weight_decay = 0.01
