@@ -4,13 +4,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import variant_helpers as vh
 
 from roformer import generate as gen
+from roformer import testing
 from roformer.nn.attention import kv_cache
 from roformer.posenc.config import RopeScaling
 
-P, N = vh.P, vh.N
+P, N = testing.PROMPT_LEN, testing.NEW_TOKENS
 
 
 def _scaling(kind):
@@ -40,17 +40,17 @@ ENCODINGS = [
 def test_prefix_forward_equals_padded_forward_except_for_dynamic_ntk():
   # The reference above pads; for an encoding whose state ignores the length, padding is
   # invisible, so the padded reference is the plain repeated forward over the prefix.
-  toks = vh.tokens(1, P + N)
+  toks = testing.random_tokens(1, P + N)
   for fields, same in ((None, True), (_scaling("dynamic"), False)):
-    model = vh.random_model(vh.config("rope", fields))
-    prefix = vh.forward(model, toks[:, :P], vh.arange(1, P))[:, -1]
-    padded = vh.forward(model, toks, vh.arange(1, P + N))[:, P - 1]
+    model = testing.random_model(testing.tiny_model_config("rope", fields))
+    prefix = testing.forward(model, toks[:, :P], testing.arange_positions(1, P))[:, -1]
+    padded = testing.forward(model, toks, testing.arange_positions(1, P + N))[:, P - 1]
     assert np.allclose(prefix, padded, atol=1e-5) == same
 
 
 @pytest.mark.parametrize("posenc, fields", ENCODINGS)
 def test_cached_generation_equals_full_forward_for_every_encoding(posenc, fields):
-  vh.check_cached_generation(vh.config(posenc, fields))
+  testing.check_cached_generation(testing.tiny_model_config(posenc, fields))
 
 
 @pytest.mark.parametrize(
@@ -63,11 +63,13 @@ def test_cached_generation_equals_full_forward_for_every_encoding(posenc, fields
   ],
 )
 def test_cached_generation_equals_full_forward_for_softmax_variants(fields):
-  vh.check_cached_generation(vh.config("t5", **fields))
+  testing.check_cached_generation(testing.tiny_model_config("t5", **fields))
 
 
 def test_kv_cache_holds_kv_heads_and_window_slots():
-  model = vh.random_model(vh.config(num_kv_heads=1, attention_window_pattern="3,0"))
+  model = testing.random_model(
+    testing.tiny_model_config(num_kv_heads=1, attention_window_pattern="3,0")
+  )
   local, full = model.init_caches(2, 10)
   assert local.k_BCGK.shape == (2, 3, 1, 4)  # the ring buffer of the window
   assert full.k_BCGK.shape == (2, 10, 1, 4)
@@ -92,23 +94,27 @@ def test_sampling_filters_keep_only_allowed_tokens():
 
 
 def test_encoders_and_bad_arguments_are_refused_with_the_reason():
-  encoder = vh.random_model(vh.config(kind="encoder", num_kv_heads=0))
+  encoder = testing.random_model(testing.tiny_model_config(kind="encoder", num_kv_heads=0))
   with pytest.raises(ValueError, match="causal decoder"):
-    gen.generate(encoder, vh.tokens(1, 2), max_new_tokens=1)
-  decoder = vh.random_model(vh.config())
+    gen.generate(encoder, testing.random_tokens(1, 2), max_new_tokens=1)
+  decoder = testing.random_model(testing.tiny_model_config())
   with pytest.raises(ValueError, match="top_p"):
-    gen.generate(decoder, vh.tokens(1, 2), max_new_tokens=1, top_p=0.0)
+    gen.generate(decoder, testing.random_tokens(1, 2), max_new_tokens=1, top_p=0.0)
   with pytest.raises(ValueError, match="max_len"):
-    gen.generate(vh.random_model(vh.config("learned")), vh.tokens(1, 60), max_new_tokens=10)
+    gen.generate(
+      testing.random_model(testing.tiny_model_config("learned")),
+      testing.random_tokens(1, 60),
+      max_new_tokens=10,
+    )
 
 
 def test_a_generation_larger_than_memory_is_refused_before_compiling():
-  decoder = vh.random_model(vh.config())
+  decoder = testing.random_model(testing.tiny_model_config())
   with pytest.raises(ValueError, match=r"needs [\d,.]+ GiB of decoding cache, more than half"):
-    gen.generate(decoder, vh.tokens(1, 2), max_new_tokens=1_000_000_000)
+    gen.generate(decoder, testing.random_tokens(1, 2), max_new_tokens=1_000_000_000)
 
 
 def test_generation_refuses_a_content_dependent_encoding():
-  model = vh.random_model(vh.config("cope", {"cope_npos_max": 64}))
+  model = testing.random_model(testing.tiny_model_config("cope", {"cope_npos_max": 64}))
   with pytest.raises(ValueError, match="posenc.kind='cope'.*decoding cache"):
-    gen.generate(model, vh.tokens(1, 4), max_new_tokens=2)
+    gen.generate(model, testing.random_tokens(1, 4), max_new_tokens=2)

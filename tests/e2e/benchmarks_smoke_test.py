@@ -1,0 +1,52 @@
+"""CI-sized runs of the table-printing benchmarks: each finishes and prints a row per case."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from roformer.testing import REPO
+
+# (script, arguments, regular expressions of the table rows it must print)
+CASES = {
+  "data": (
+    ["--steps=3", "--seq_len=64", "--global_batch_size=4", "--tokenizers=bytes"],
+    [r"^\| bytes \| decoder \| [\d,]+ \|", r"^\| bytes \| encoder \| [\d,]+ \|"],
+  ),
+  "eval_memory": (
+    ["--lengths=128,256", "--num_layers=1", "--emb_dim=32", "--attention_block=64"],
+    [r"^\s+128\s+\d+", r"^\s+256\s+\d+"],
+  ),
+  "window": (
+    ["--lengths=256,512", "--window=64", "--block=64", "--full_max=256", "--repeats=1"],
+    [r"^\| 256 \| [\d.]+ \|", r"^\| 512 \| [\d.]+ \|"],
+  ),
+  "train_memory": (
+    ["--lengths=64", "--remat_length=128", "--deep_layers=2", "--steps=1"],
+    [
+      r"^\| 64 \| dense \| [\d.]+ \|",
+      r"^\| 64 \| chunked \| [\d.]+ \|",
+      r"^\| 128 \| auto \| True \| full \| \d+ \|",
+      r"^\| 2 \| True \| [\d.]+ \|",
+    ],
+  ),
+}
+
+
+@pytest.mark.slow  # about a minute each on a loaded 2-core machine
+@pytest.mark.parametrize("script", sorted(CASES))
+def test_benchmark_smoke_run_prints_its_table(script):
+  args, expected = CASES[script]
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  proc = subprocess.run(
+    [sys.executable, str(REPO / "benchmarks" / f"{script}.py"), *args],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  for pattern in expected:
+    assert re.search(pattern, proc.stdout, re.MULTILINE), (pattern, proc.stdout[-2000:])

@@ -1,0 +1,53 @@
+"""benchmarks/throughput.py: the smoke run compiles and times the real train step."""
+
+import json
+import os
+import subprocess
+import sys
+
+from roformer.testing import REPO
+
+
+def test_throughput_smoke_reports_speed_and_flops(tmp_path):
+  out = tmp_path / "throughput.json"
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  proc = subprocess.run(
+    [sys.executable, str(REPO / "benchmarks" / "throughput.py"), "--smoke", f"--json={out}"],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  result = json.loads(out.read_text())
+  assert result["kind"] == "encoder"
+  assert result["tokens_per_sec"] > 0 and result["compile_seconds"] > 0
+  # 2 layers x (q, k, v, out: 4 x 32 x 32; MLP 2 x 32 x 64) + head (128 x 32 + 32 x 32), times 6,
+  # plus 12 x 2 layers x 32 positions x 2 heads x 16 dims of attention.
+  assert result["nominal_flops_per_token"] == 6 * (2 * 8192 + 5120) + 12 * 2 * 32 * 2 * 16
+  assert result["executed_flops_per_token"] > 0
+  assert result["mfu_executed"] > 0 and result["peak_flops_per_sec"] > 0
+  assert "ours / HF" not in proc.stdout  # only with --compare_hf
+
+
+def test_matmul_table_covers_both_dtypes(tmp_path):
+  out = tmp_path / "matmul.json"
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  proc = subprocess.run(
+    [
+      sys.executable,
+      str(REPO / "benchmarks" / "matmul.py"),
+      "--sizes=64",
+      "--repeats=2",
+      f"--json={out}",
+    ],  # fmt: skip
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  rows = json.loads(out.read_text())["rows"]
+  assert [(r["size"], r["dtype"]) for r in rows] == [(64, "float32"), (64, "bfloat16")]
+  assert all(r["jax_gflops"] > 0 for r in rows)
+  assert "| 64 | bfloat16 |" in proc.stdout

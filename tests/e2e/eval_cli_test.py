@@ -1,0 +1,400 @@
+"""Tests of eval.py and its driver (evals.ppl_vs_length, evals.plots): workdirs, JSON schema,
+scaling, plots."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from configs import default
+from roformer import config as config_lib
+from roformer import runs
+from roformer.evals import ppl_vs_length, results, spec
+from roformer.infra import checkpoint
+from roformer.nn.model import make_model
+from roformer.testing import REPO
+
+SEQ_LEN = 32
+JSON_KEYS = {
+  "step", "posenc", "rope_scaling", "attention_window", "notes", "split", "max_tokens",
+  "positions", "records", "per_position",
+}  # fmt: skip
+
+
+def _write_text(path: Path, seed: int, lines: int = 60):
+  rng = np.random.default_rng(seed)
+  words = ["def", "return", "self", "import", "for", "in", "if", "x", "value", "print", "(", ")"]
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text("\n".join(" ".join(rng.choice(words, 10)) for _ in range(lines)) + "\n")
+
+
+def _make_run(root: Path, name: str, *, model_kind: str = "decoder", **posenc) -> Path:
+  """A workdir with config.json and a step-7 checkpoint of a randomly initialised tiny model."""
+  _write_text(root / "text" / "train.txt", 0)
+  _write_text(root / "text" / "valid.txt", 1)
+  config = default.get_config()
+  config.model.kind = model_kind
+  config.model.num_layers = 1
+  config.model.emb_dim = 16
+  config.model.num_heads = 2
+  config.model.mlp_dim = 32
+  config.model.attention_block = 64
+  for field, value in posenc.items():
+    config.posenc[field] = value
+  config.data.source = "files"
+  config.data.files = str(root / "text" / "train.txt")
+  config.data.validation_files = str(root / "text" / "valid.txt")
+  config.data.cache_dir = str(root / "cache")
+  config.data.seq_len = SEQ_LEN
+  run_config = config_lib.run_config_from_dict(config, vocab_size=261)
+  workdir = root / name
+  config_lib.write_config_json(workdir, run_config)
+  model = make_model(run_config.model, rngs=nnx.Rngs(0))
+  manager = checkpoint.make_manager(workdir)
+  checkpoint.save(manager, 7, nnx.state(model), {"unused": np.zeros(1)}, {"step": 7})
+  manager.wait_until_finished()
+  manager.close()
+  return workdir
+
+
+@pytest.fixture(scope="module")
+def rope_run(tmp_path_factory):
+  return _make_run(tmp_path_factory.mktemp("runs"), "rope_run")
+
+
+def _evaluate(workdir, *, step=None, overwrite=False, log=lambda _: None, **options):
+  options = dict(dict(lengths=[32, 64], max_tokens=128, batch_size=2), **options)
+  return ppl_vs_length.evaluate_workdir(
+    workdir, spec.spec_from_options(**options), step=step, overwrite=overwrite, log=log
+  )
+
+
+def _run_cli(*args):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
+  return subprocess.run(
+    [sys.executable, str(REPO / "eval.py"), *args],
+    capture_output=True,
+    text=True,
+    env=env,
+    timeout=300,
+  )
+
+
+def test_evaluate_workdir_writes_design_schema_json_and_png(rope_run):
+  lines = []
+  result, path = _evaluate(rope_run, log=lines.append)
+  assert path == rope_run / "eval" / "ppl_vs_length_len32-64_tok128.json"
+  written = json.loads(path.read_text())
+  assert written == json.loads(json.dumps(result))
+  assert set(written) == JSON_KEYS
+  assert written["step"] == 7
+  assert written["posenc"] == "rope"
+  assert written["rope_scaling"] is None
+  assert written["split"] == "validation"
+  records = written["records"]
+  assert [(r["length"], r["protocol"]) for r in records] == [
+    (32, "nonoverlapping"),
+    (32, "sliding"),
+    (64, "nonoverlapping"),
+    (64, "sliding"),
+  ]
+  assert written["notes"] == ["stride L/4"] and written["attention_window"] is None
+  for r in records:
+    sliding = {"stride"} if r["protocol"] == "sliding" else set()
+    assert set(r) == {"length", "protocol", "loss", "ppl", "tokens"} | sliding
+    assert r.get("stride", r["length"] // 4) == r["length"] // 4
+    assert r["ppl"] == pytest.approx(np.exp(r["loss"]))
+  assert {r["tokens"] for r in records} == {128}
+  assert written["per_position"]["length"] == 64
+  assert len(written["per_position"]["loss"]) == 64
+  assert all(np.isfinite(written["per_position"]["loss"]))
+  assert (rope_run / "eval" / "ppl_vs_length_len32-64_tok128.png").read_bytes()[:4] == b"\x89PNG"
+  assert any("length 2/2" in line and "tokens/s" in line for line in lines)
+
+
+def test_evaluate_workdir_rope_scaling_writes_a_separate_file(rope_run):
+  plain, plain_path = _evaluate(rope_run, lengths=[64], protocol="nonoverlapping")
+  scaled, path = _evaluate(
+    rope_run, lengths=[64], protocol="nonoverlapping", rope_scaling="linear", rope_factor=2.0
+  )
+  assert path.name == "ppl_vs_length_len64_nonoverlapping_tok128_linear_2.json"
+  assert (rope_run / "eval" / "ppl_vs_length_len64_nonoverlapping_tok128_linear_2.png").exists()
+  assert json.loads(plain_path.read_text()) == json.loads(json.dumps(plain))
+  assert scaled["rope_scaling"] == {"kind": "linear", "factor": 2.0}
+  # Same weights, other frequencies: a different loss on the same tokens.
+  assert scaled["records"][0]["tokens"] == plain["records"][0]["tokens"]
+  assert scaled["records"][0]["loss"] != plain["records"][0]["loss"]
+
+
+def test_evaluate_workdir_data_files_use_the_run_tokenizer(rope_run, tmp_path):
+  _write_text(tmp_path / "other" / "a.txt", 5, lines=30)
+  result, path = _evaluate(
+    rope_run, lengths=[32], protocol="nonoverlapping", data_files=str(tmp_path / "other" / "*.txt"),
+    out="other_text",
+  )  # fmt: skip
+  assert path.name == "other_text.json"
+  assert result["split"].startswith("files:")
+  assert result["records"][0]["tokens"] == 128
+
+
+def test_evaluate_workdir_learned_positions_skip_lengths_past_max_len(tmp_path):
+  workdir = _make_run(tmp_path, "learned_run", kind="learned", max_len=SEQ_LEN)
+  result, _ = _evaluate(workdir, protocol="nonoverlapping")
+  evaluated, skipped = result["records"]
+  assert evaluated["length"] == 32 and "loss" in evaluated
+  assert skipped["length"] == 64 and set(skipped) == {"length", "protocol", "skipped"}
+  assert "posenc.max_len" in skipped["skipped"]
+  assert result["per_position"]["length"] == 32
+
+
+def test_eval_model_config_rope_scaling_of_a_non_rope_run_raises(tmp_path):
+  workdir = _make_run(tmp_path, "alibi_run", kind="alibi")
+  run_config = config_lib.load_run_config(workdir)
+  with pytest.raises(ValueError, match="posenc.kind"):
+    runs.eval_model_config(run_config.model, seq_len=SEQ_LEN, rope_scaling="yarn")
+
+
+def test_eval_model_config_dense_attention_becomes_auto():
+  cfg = config_lib.run_config_from_dict(default.get_config()).model
+  dense = runs.eval_model_config(
+    type(cfg)(**{**cfg.__dict__, "attention_impl": "dense"}), seq_len=512
+  )
+  assert dense.attention_impl == "auto"
+
+
+def _name(**options):
+  return spec.output_name(spec.spec_from_options(**options), seq_len=256)
+
+
+def test_default_lengths_and_output_name():
+  default = spec.default_lengths(256)
+  assert default == [256, 512, 1024, 2048, 4096]
+  assert _name() == "ppl_vs_length"
+  assert _name(lengths=default[::-1]) == "ppl_vs_length"
+  # What changes the result changes the name: lengths, protocol, stride.
+  assert (
+    _name(lengths=[512, 256], protocol="sliding", stride=64)
+    == "ppl_vs_length_len256-512_sliding_stride64"
+  )
+  assert _name(protocol="nonoverlapping", stride=64) == "ppl_vs_length_nonoverlapping"
+  assert _name(protocol="both", stride=32) == "ppl_vs_length_stride32"
+  assert _name(rope_scaling="yarn", rope_factor=4.0) == "ppl_vs_length_yarn_4"
+  assert _name(out="mine", rope_scaling="yarn", rope_factor=4.0) == "mine"
+  assert _name(split="test") == "ppl_vs_length_test"
+  # Two evaluations of different sizes never share a name.
+  assert _name(max_tokens=8192) == "ppl_vs_length_tok8192"
+  assert _name(max_tokens=spec.DEFAULT_MAX_TOKENS) == "ppl_vs_length"
+  assert _name(data_files="a/*.txt", split="test") == "ppl_vs_length_files"
+  assert _name(split="test", rope_scaling="ntk", rope_factor=2.0) == "ppl_vs_length_test_ntk_2"
+  # An imposed window, and BCA with blocks of the training length by default.
+  assert _name(attention_window=64) == "ppl_vs_length_window64"
+  assert _name(bca=True) == "ppl_vs_length_bca256"
+
+
+def test_bin_positions_averages_weighted_loss_per_bin():
+  loss = np.array([1.0, 3.0, 0.0, 0.0, 4.0, 8.0])
+  weight = np.array([1.0, 1.0, 0.0, 0.0, 2.0, 2.0])
+  assert ppl_vs_length.bin_positions(loss, weight, max_points=3) == [2.0, None, 3.0]
+  assert ppl_vs_length.bin_positions(loss[:2], weight[:2]) == [1.0, 3.0]
+
+
+def test_eval_cli_without_checkpoint_exits_with_one_clear_error(tmp_path):
+  workdir = tmp_path / "empty_run"
+  config_lib.write_config_json(workdir, config_lib.run_config_from_dict(default.get_config()))
+  proc = _run_cli(f"--workdir={workdir}")
+  assert proc.returncode != 0
+  assert "no checkpoint" in proc.stderr
+  assert "Traceback" not in proc.stderr
+
+
+def test_eval_cli_compare_writes_one_png_of_several_runs(tmp_path):
+  for name, posenc, ppls in (("a", "rope", [5.0, 6.0]), ("b", "alibi", [5.5, 5.4])):
+    records = [
+      {"length": n, "protocol": "nonoverlapping", "loss": float(np.log(p)), "ppl": p, "tokens": 64}
+      for n, p in zip((32, 64), ppls, strict=True)
+    ]
+    result = {
+      "step": 1,
+      "posenc": posenc,
+      "rope_scaling": None,
+      "split": "validation",
+      "records": records + [{"length": 128, "protocol": "nonoverlapping", "skipped": "too long"}],
+      "per_position": {"length": 64, "loss": [1.0, 2.0, None, 3.0]},
+    }
+    results.write_result(result, tmp_path / name / "eval" / "ppl_vs_length.json")
+  plot = tmp_path / "compare.png"
+  proc = _run_cli(f"--compare={tmp_path / 'a'},{tmp_path / 'b'}", f"--plot={plot}")
+  assert proc.returncode == 0, proc.stderr
+  assert plot.read_bytes()[:4] == b"\x89PNG"
+  # An existing file is never replaced without --overwrite (here a note, not a PNG).
+  note = tmp_path / "notes.md"
+  note.write_text("my notes")
+  refused = _run_cli(f"--compare={tmp_path / 'a'}", f"--plot={note}")
+  assert refused.returncode != 0 and "Traceback" not in refused.stderr
+  assert "exists; pass --overwrite" in refused.stderr and note.read_text() == "my notes"
+  again = _run_cli(f"--compare={tmp_path / 'a'}", f"--plot={plot}", "--overwrite")
+  assert again.returncode == 0, again.stderr
+  other = tmp_path / "other.png"
+  missing = _run_cli(f"--compare={tmp_path / 'a'},{tmp_path / 'nothing'}", f"--plot={other}")
+  assert missing.returncode != 0 and "Traceback" not in missing.stderr
+  assert "eval.py --workdir=" in missing.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_kind", ["decoder", "encoder"])
+def test_eval_cli_reproduces_the_training_eval_loss(tmp_path, model_kind):
+  _write_text(tmp_path / "text" / "train.txt", 0, lines=200)
+  _write_text(tmp_path / "text" / "valid.txt", 1, lines=60)
+  workdir = tmp_path / f"{model_kind}_run"
+  overrides = {
+    "model.kind": model_kind,
+    "model.num_layers": 1,
+    "model.emb_dim": 32,
+    "model.num_heads": 2,
+    "model.mlp_dim": 64,
+    "data.source": "files",
+    "data.files": tmp_path / "text" / "train.txt",
+    "data.validation_files": tmp_path / "text" / "valid.txt",
+    "data.cache_dir": tmp_path / "cache",
+    "data.seq_len": SEQ_LEN,
+    "train.global_batch_size": 4,
+    "train.num_train_steps": 12,
+    "train.log_every_steps": 6,
+    "train.eval_every_steps": 12,
+    "train.eval_max_tokens": 256,
+    "train.checkpoint_every_steps": 12,
+    "train.seed": 3,  # the encoder's evaluation mask is drawn from it
+    "optim.warmup_steps": 2,
+  }
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
+  train = subprocess.run(
+    [sys.executable, str(REPO / "train.py"), "--config=configs/default.py", f"--workdir={workdir}"]
+    + [f"--config.{k}={v}" for k, v in overrides.items()],
+    capture_output=True, text=True, env=env, cwd=REPO, timeout=600,
+  )  # fmt: skip
+  assert train.returncode == 0, train.stderr[-3000:]
+  lines = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+  logged = [x for x in lines if "eval_loss" in x and x["step"] == 12][-1]
+
+  proc = _run_cli(
+    f"--workdir={workdir}", f"--lengths={SEQ_LEN}", "--protocol=nonoverlapping",
+    "--max_tokens=256",
+  )  # fmt: skip
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  result = json.loads(
+    (workdir / "eval" / "ppl_vs_length_len32_nonoverlapping_tok256.json").read_text()
+  )
+  (record,) = result["records"]
+  assert result["step"] == 12
+  assert record["tokens"] == logged["eval_tokens"]
+  assert abs(record["loss"] - logged["eval_loss"]) <= 1e-5
+  if model_kind == "encoder":
+    assert abs(record["accuracy"] - logged["eval_accuracy"]) <= 1e-5
+  png = workdir / "eval" / "ppl_vs_length_len32_nonoverlapping_tok256.png"
+  assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_evaluate_workdir_refuses_to_overwrite_a_result_without_overwrite(rope_run):
+  args = dict(lengths=[32], protocol="nonoverlapping", max_tokens=64)
+  first, path = _evaluate(rope_run, **args)
+  path.write_text(path.read_text().replace('"step": 7', '"step": 3'))
+  before = path.read_bytes()
+  exists = r"ppl_vs_length_len32_nonoverlapping_tok64.json exists \(step 3\).*--overwrite"
+  with pytest.raises(FileExistsError, match=exists):
+    _evaluate(rope_run, **args)
+  assert path.read_bytes() == before
+  again, path_again = _evaluate(rope_run, overwrite=True, **args)
+  assert path_again == path and json.loads(path.read_text())["step"] == 7
+  assert again["records"] == first["records"]
+
+
+def test_evaluate_workdir_resolves_a_relative_workdir(rope_run, monkeypatch):
+  monkeypatch.chdir(rope_run.parent)
+  _, path = _evaluate(rope_run.name, lengths=[32], protocol="sliding", stride=16, max_tokens=64)
+  assert path == rope_run / "eval" / "ppl_vs_length_len32_sliding_stride16_tok64.json"
+  assert path.exists()
+
+
+@pytest.mark.parametrize(
+  "args, expected",
+  [
+    (["--workdir=DIR", "--rope_factor=4"], "--rope_factor=4 needs --rope_scaling"),
+    (["--workdir=DIR", "--compare=DIR", "--plot=x.png"], "--workdir is not read by --compare"),
+    (["--compare=DIR", "--plot=x.png", "--lengths=64"], "--lengths is not read by --compare"),
+    (["--workdir=DIR", "--plot=x.png"], "--plot needs --compare"),
+    (["--workdir=DIR", "--protocol=nonoverlapping", "--stride=8"], "--stride"),
+    (["--workdir="], "--workdir is empty"),
+    (
+      ["--workdir=DIR", "--lengths=32", "--protocol=nonoverlapping", "--max_tokens=128"],
+      "--overwrite",
+    ),
+  ],
+)
+def test_eval_cli_bad_flag_combinations_exit_with_one_line(rope_run, args, expected):
+  _evaluate(rope_run, lengths=[32], protocol="nonoverlapping", overwrite=True)
+  proc = _run_cli(*(a.replace("DIR", str(rope_run)) for a in args))
+  assert proc.returncode != 0
+  assert "Traceback" not in proc.stderr
+  errors = [line for line in proc.stderr.splitlines() if "error" in line]
+  assert len(errors) == 1 and expected in errors[0], proc.stderr[-2000:]
+
+
+def test_plot_says_log_scale_and_which_windows_the_position_panel_shows(tmp_path, monkeypatch):
+  from roformer.evals import plots
+
+  figures = []
+  monkeypatch.setattr(plots.plt, "close", figures.append)
+  records = [
+    {"length": n, "protocol": "nonoverlapping", "loss": float(np.log(p)), "ppl": p, "tokens": 8}
+    for n, p in ((32, 5.0), (64, 80.0))
+  ]  # a blow-up: the perplexity axis goes logarithmic
+  per_position = {"length": 64, "protocol": "nonoverlapping", "loss": [1.0, 2.0]}
+  result = {"posenc": "rope", "records": records, "per_position": per_position}
+  plots.plot_runs([("rope", result, 32)], tmp_path / "p.png")
+  ax_len, ax_pos = figures[0].axes[:2]
+  assert ax_len.get_yscale() == "log" and "log scale" in ax_len.get_ylabel()
+  assert "log2 scale" in ax_len.get_xlabel()
+  assert "nonoverlapping windows" in ax_pos.get_title()
+
+
+@pytest.mark.parametrize(
+  "script, patched, args",
+  [
+    ("eval", "roformer.evals.ppl_vs_length:evaluate_workdir", ["--workdir=DIR"]),
+    ("generate", "roformer.generate:generate_text", ["--workdir=DIR", "--prompt=x"]),
+  ],
+)
+def test_ctrl_c_is_one_line_and_exit_130(script, patched, args):
+  module, function = patched.split(":")
+  code = (
+    "import sys\n"
+    "from absl import app\n"
+    f"sys.argv = ['{script}.py', *{args!r}]\n"
+    f"import {script} as cli\n"
+    f"import {module} as patched\n"
+    "def interrupted(*args, **kwargs):\n"
+    "  raise KeyboardInterrupt\n"
+    f"patched.{function} = interrupted\n"
+    "app.run(cli.main)\n"
+  )
+  proc = subprocess.run(
+    [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
+    env={**os.environ, "JAX_PLATFORMS": "cpu"},
+  )  # fmt: skip
+  assert proc.returncode == 130
+  assert proc.stderr.strip().splitlines() == [
+    f"{script}.py: interrupted"
+    + ("; no result written (DIR/eval/ is as before)" if script == "eval" else "")
+  ]
+
+
+def test_max_tokens_that_is_no_multiple_of_the_longest_length_is_rounded_with_a_line(rope_run):
+  lines = []
+  result, _ = _evaluate(rope_run, max_tokens=100, out="rounded", overwrite=True, log=lines.append)
+  assert any("--max_tokens=100 is scored as 64 targets" in line for line in lines)
+  assert {r["tokens"] for r in result["records"]} == {64} and result["max_tokens"] == 100

@@ -1,0 +1,114 @@
+"""The synthetic-task grid end to end at --scale=tiny (what CI runs), and its resume."""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from roformer.testing import REPO
+
+
+def _grid(out, workdirs, *extra, env=None):
+  root = [f"--workdir_root={workdirs}"] if workdirs else []
+  return subprocess.run(
+    [sys.executable, "experiments/synthetic.py", "--scale=tiny", f"--out={out}", *root, *extra],
+    cwd=REPO, capture_output=True, text=True,
+    env={**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})}, timeout=900,
+  )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_tiny_grid_writes_every_output_and_resumes(tmp_path):
+  out, workdirs = tmp_path / "out", tmp_path / "workdirs"
+  first = _grid(out, workdirs)
+  assert first.returncode == 0, first.stderr[-3000:]
+  progress = [line for line in first.stdout.splitlines() if line.startswith("[")]
+  assert len(progress) == 6 and all("exact match / per token n=" in line for line in progress)
+  for task in ("copy", "associative_recall", "passkey"):
+    assert (out / f"{task}.png").read_bytes()[:4] == b"\x89PNG"
+    result = json.loads((out / f"{task}__rope.json").read_text())
+    # Scored from the training range to 8x its longest length.
+    lo, hi = result["train_lengths"]
+    assert [r["length"] for r in result["records"]] == sorted({lo, hi, 2 * hi, 4 * hi, 8 * hi})
+  randomized = json.loads((out / "passkey__fire+randomized.json").read_text())
+  assert "passkey_depths" in randomized
+  # Scored at randomized positions as trained, over several draws, and recorded as such.
+  assert randomized["positions"] == {"kind": "randomized", "max_position": 147, "draws": 4}
+  assert all(len(r["token_accuracy_draws"]) == 4 for r in randomized["records"])
+  assert result["positions"] == {"kind": "consecutive"}
+  assert (out / "passkey_heatmap__fire+randomized.png").exists()
+  rows = list(csv.DictReader(open(out / "results.csv")))
+  assert len(rows) == 6 * 5 and {r["randomized"] for r in rows} == {"True", "False"}
+  table = (out / "table.md").read_text()
+  assert "| fire | yes |" in table and "## copy: per-token accuracy" in table
+  assert "| no lookup |" in table  # associative recall's baseline
+  # A rerun skips every finished run (no training) and rewrites the summaries.
+  again = _grid(out, workdirs, "--only=copy")
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert again.stdout.count("done before, skipped") == 2
+  assert len(list(csv.DictReader(open(out / "results.csv")))) == 6 * 5
+
+
+def test_only_selects_by_substring_and_anchors_with_a_dollar():
+  sys.path.insert(0, os.path.join(REPO, "experiments"))
+  import synthetic
+
+  names = ["copy/rope", "copy/rope+randomized", "copy/prope", "passkey/rope"]
+  pick = lambda only: [n for n in names if synthetic.selected(n, only)]  # noqa: E731
+  assert pick(["copy/rope"]) == ["copy/rope", "copy/rope+randomized"]
+  assert pick(["copy/rope$"]) == ["copy/rope"]
+  assert pick(["/rope$", "prope"]) == ["copy/rope", "copy/prope", "passkey/rope"]
+
+
+def test_every_encoding_of_the_grid_trains_with_the_same_embedding_scale():
+  # Left at "auto", RoPE, learned, KERPLE, FIRE and CoPE would take BERT's N(0, 0.02^2) table
+  # and the others fairseq's sqrt(d) scaling: a difference between runs that is not the encoding.
+  sys.path.insert(0, os.path.join(REPO, "experiments"))
+  import synthetic
+
+  scale = synthetic.SCALES["cpu"]
+  runs = synthetic.grid_runs(scale)
+  configs = [synthetic.make_config(scale, *run, seq_len_8x=64) for run in runs]
+  assert {c.model.embed_scale for c in configs} == {"sqrt_d"}
+
+
+@pytest.mark.slow
+def test_grids_with_other_outputs_or_settings_never_share_runs(tmp_path):
+  cache = {"ROFORMER_CACHE": str(tmp_path / "cache")}
+  a, b = tmp_path / "a", tmp_path / "b"
+  first = _grid(a, None, "--only=copy/rope$", env=cache)
+  assert first.returncode == 0, first.stderr[-3000:]
+  # Another --out trains its own run (its own workdir), not the first grid's checkpoint.
+  second = _grid(b, None, "--only=copy/rope$", env=cache)
+  assert second.returncode == 0, second.stderr[-3000:]
+  assert "done before" not in second.stdout
+  roots = sorted(p.name for p in (tmp_path / "cache" / "experiments").iterdir())
+  assert len(roots) == 2
+  # A JSON made with other settings is never counted as done: the grid stops naming the field.
+  path = a / "copy__rope.json"
+  record = json.loads(path.read_text())
+  record["settings"]["optim.learning_rate"] = 1.0
+  record["settings_hash"] = "0" * 16
+  path.write_text(json.dumps(record))
+  third = _grid(a, None, "--only=copy/rope$", env=cache)
+  assert third.returncode != 0
+  assert "was made with other settings (optim.learning_rate: 1.0 -> 0.003" in third.stderr
+
+
+def test_a_typo_in_only_and_a_smoke_grid_into_results_are_refused(tmp_path):
+  typo = _grid(tmp_path / "out", tmp_path / "w", "--only=copy/ropee")
+  assert typo.returncode != 0 and "matches no run" in typo.stderr
+  assert not (tmp_path / "out" / "results.csv").exists()
+  into_results = _grid(os.path.join(REPO, "results", "synthetic"), tmp_path / "w")
+  assert into_results.returncode != 0
+  assert "--scale=tiny would write into" in into_results.stderr
+
+
+def test_the_committed_scale_is_the_default():
+  sys.path.insert(0, os.path.join(REPO, "experiments"))
+  import synthetic
+
+  assert synthetic.FLAGS["scale"].default == "cpu"

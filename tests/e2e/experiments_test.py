@@ -1,0 +1,155 @@
+"""The reproduction grids at --scale=tiny: every output file, and a rerun that resumes."""
+
+import csv
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from roformer.testing import REPO
+
+
+def _run(script, out, workroot, *extra):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  return subprocess.run(
+    [sys.executable, str(REPO / "experiments" / script), "--scale=tiny", f"--out={out}",
+     f"--workroot={workroot}", *extra],
+    capture_output=True, text=True, env=env, timeout=900, check=False,
+  )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_extrapolation_grid_writes_every_output_and_resumes(tmp_path):
+  out, workroot = tmp_path / "out", tmp_path / "runs"
+  proc = _run("extrapolation.py", out, workroot)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  runs = {p.stem for p in out.glob("*.json")}
+  encodings = {"sinusoidal", "learned", "t5", "alibi", "rope", "xpos", "nope"}
+  seeds = {"rope_short_seed1", "sinusoidal_short_seed1", "learned_short_seed1"}
+  fine_tunes = {"rope_linear_2x", "rope_yarn_2x"}
+  assert runs == encodings | {f"{e}_short" for e in encodings} | seeds | fine_tunes
+  seed_run = json.loads((out / "rope_short_seed1.json").read_text())
+  assert seed_run["overrides"]["train.seed"] == 1
+  for name in ("results.csv", "table.md", "encodings.png", "scalings.png"):
+    assert (out / name).stat().st_size > 0, name
+  with (out / "results.csv").open() as f:
+    rows = list(csv.DictReader(f))
+  assert list(rows[0]) == [
+    "run",
+    "encoding",
+    "scaling",
+    "length",
+    "protocol",
+    "loss",
+    "ppl",
+    "tokens",
+  ]
+  assert {r["scaling"] for r in rows if r["run"] == "rope"} == {
+    "none", "linear", "ntk", "dynamic", "yarn", "llama3"
+  }  # fmt: skip
+  assert {r["scaling"] for r in rows if r["run"] == "xpos"} == {"none", "bca"}
+  # Learned positions have no row past their table; every other encoding reaches 2L.
+  assert max(int(r["length"]) for r in rows if r["run"] == "learned") == 16
+  assert max(int(r["length"]) for r in rows if r["run"] == "nope") == 32
+  fine_tune = json.loads((out / "rope_yarn_2x.json").read_text())
+  # The source run's workdir: its name and its settings hash.
+  assert re.search(r"/rope-[0-9a-f]{10}$", fine_tune["overrides"]["train.init_from"])
+  assert fine_tune["settings"]["train.init_from"].startswith("$WORKROOT/rope-")
+  table = (out / "table.md").read_text()
+  assert "xpos (no BCA)" in table and "| sinusoidal | " in table.split("## Seed noise")[1]
+  # A rerun finds every run done and only rewrites the report.
+  rerun = _run("extrapolation.py", out, workroot)
+  assert rerun.returncode == 0, rerun.stderr[-3000:]
+  assert rerun.stdout.count("done (skipped)") == len(runs)
+  # Retraining a run from its recorded overrides gives its recorded eval loss.
+  again = subprocess.run(
+    [sys.executable, str(REPO / "experiments" / "rerun.py"), str(out / "rope_short.json"),
+     f"--workdir={tmp_path / 'again'}"],
+    capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=600,
+  )  # fmt: skip
+  assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+  assert "rope_short: recorded eval loss" in again.stdout
+
+
+@pytest.mark.slow
+def test_mlm_grid_writes_every_output_and_records_refused_encodings(tmp_path):
+  out = tmp_path / "out"
+  proc = _run("mlm.py", out, tmp_path / "runs")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  for name in ("results.csv", "table.md", "curves.png"):
+    assert (out / name).stat().st_size > 0, name
+  nope = json.loads((out / "nope.json").read_text())
+  assert "causal-only" in nope["skipped"]
+  rope = json.loads((out / "rope.json").read_text())
+  assert any("eval_loss" in m for m in rope["metrics"])
+  with (out / "results.csv").open() as f:
+    rows = list(csv.DictReader(f))
+  learned = {int(r["length"]): r for r in rows if r["run"] == "learned"}
+  assert learned[16]["accuracy"] and learned[32]["skipped"]
+  assert all(r["accuracy"] for r in rows if r["run"] == "rope")
+
+
+@pytest.mark.slow
+def test_grid_run_piecewise_with_only_reports_every_finished_run(tmp_path):
+  out, workroot = tmp_path / "out", tmp_path / "runs"
+  for only in ("alibi", "sinusoidal"):
+    proc = _run("extrapolation.py", out, workroot, f"--only={only}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+  with (out / "results.csv").open() as f:
+    runs = {r["run"] for r in csv.DictReader(f)}
+  expected = {"alibi", "alibi_short", "sinusoidal", "sinusoidal_short", "sinusoidal_short_seed1"}
+  assert runs == expected
+
+
+def _fake_training(monkeypatch, last_step):
+  """train_and_evaluate replaced by one that logs training up to `last_step`, as a signal would."""
+  from roformer.train import loop as train_loop
+
+  def train_and_evaluate(config, workdir):
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
+      for step in range(1, last_step + 1):
+        f.write(json.dumps({"step": step, "train_loss": 1.0}) + "\n")
+    return {}
+
+  monkeypatch.setattr(train_loop, "train_and_evaluate", train_and_evaluate)
+
+
+def test_a_run_stopped_before_its_last_step_ends_the_grid_instead_of_being_scored(
+  tmp_path, monkeypatch
+):
+  monkeypatch.syspath_prepend(str(REPO / "experiments"))
+  import synthetic
+
+  scale = synthetic.SCALES["tiny"]
+  steps = scale.train["num_train_steps"]
+  config = synthetic.run_config(scale, "copy", "rope", False)
+  evaluated = []
+  monkeypatch.setattr(
+    "roformer.evals.task_vs_length.evaluate_tasks",
+    lambda *a, **k: evaluated.append(a) or ({}, None),
+  )
+  _fake_training(monkeypatch, last_step=steps - 1)
+  with pytest.raises(SystemExit, match=f"copy/rope stopped at step {steps - 1}"):
+    synthetic.run_one(scale, "copy", "rope", False, config, str(tmp_path / "stopped"))
+  assert evaluated == []
+
+  _fake_training(monkeypatch, last_step=steps)
+  record = synthetic.run_one(scale, "copy", "rope", False, config, str(tmp_path / "finished"))
+  assert len(evaluated) == 1 and record["run"] == "copy/rope"
+
+
+def test_ctrl_c_in_a_grid_is_one_line_naming_the_finished_runs(tmp_path, capsys, monkeypatch):
+  monkeypatch.syspath_prepend(str(REPO / "experiments"))
+  import grid
+
+  (tmp_path / "copy__rope.json").write_text("{}")
+  with pytest.raises(SystemExit) as stopped, grid.stop_on_ctrl_c(tmp_path):
+    raise KeyboardInterrupt
+  assert stopped.value.code == 130
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and "1 finished runs" in err and "(copy__rope)" in err
+  assert "rerun the same command to resume" in err

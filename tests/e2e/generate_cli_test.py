@@ -1,0 +1,66 @@
+"""Tests of generate.py and roformer.generate.generate_text on a workdir with a checkpoint."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from configs import default
+from roformer import config as config_lib
+from roformer import generate as gen
+from roformer.data.tokenizer import ByteTokenizer
+from roformer.infra import checkpoint
+from roformer.nn.model import make_model
+from roformer.testing import REPO
+
+
+def _make_run(workdir: Path, model_kind: str):
+  """config.json and a step-3 checkpoint of a random tiny model (bytes tokenizer); the model."""
+  config = default.get_config()
+  config.model.kind = model_kind
+  config.model.num_layers = 1
+  config.model.emb_dim = 16
+  config.model.num_heads = 2
+  config.model.mlp_dim = 32
+  config.data.seq_len = 16
+  run_config = config_lib.run_config_from_dict(config, vocab_size=ByteTokenizer().vocab_size)
+  config_lib.write_config_json(workdir, run_config)
+  model = make_model(run_config.model, rngs=nnx.Rngs(0))
+  manager = checkpoint.make_manager(workdir)
+  checkpoint.save(manager, 3, nnx.state(model), {"unused": np.zeros(1)}, {"step": 3})
+  manager.wait_until_finished()
+  manager.close()
+  return model
+
+
+def _run_cli(*args):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
+  return subprocess.run(
+    [sys.executable, str(REPO / "generate.py"), *args],
+    capture_output=True,
+    text=True,
+    env=env,
+    timeout=300,
+  )
+
+
+@pytest.mark.slow
+def test_cli_prints_the_greedy_continuation_of_the_checkpoint(tmp_path):
+  model = _make_run(tmp_path / "run", "decoder")
+  tok = ByteTokenizer()
+  ids = tok.encode("def f(")
+  want = gen.generate(model, np.asarray([ids], np.int32), max_new_tokens=5)
+  proc = _run_cli(f"--workdir={tmp_path / 'run'}", "--prompt=def f(", "--max_new_tokens=5")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert proc.stdout.rstrip("\n") == tok.decode(np.asarray(want[0, len(ids) :]).tolist())
+
+
+def test_cli_refuses_an_encoder_run_with_one_clear_line(tmp_path):
+  _make_run(tmp_path / "mlm", "encoder")
+  proc = _run_cli(f"--workdir={tmp_path / 'mlm'}", "--prompt=x")
+  assert proc.returncode != 0 and "Traceback" not in proc.stderr
+  assert "generate.py: error:" in proc.stderr and "model.kind='decoder'" in proc.stderr

@@ -1,0 +1,206 @@
+"""Tests of roformer.evals.task_vs_length (scoring) and the synthetic pipeline end to end (slow)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from roformer.data import synthetic
+from roformer.evals import task_plots, task_vs_length
+from roformer.testing import REPO
+
+
+def _predictor(examples, wrong=()):
+  table = {np.asarray(t[:-1], np.int32).tobytes(): (i, t) for i, (t, _) in enumerate(examples)}
+
+  def predict(inputs_BT, positions_BT):
+    out = np.zeros_like(np.asarray(inputs_BT))
+    for b, row in enumerate(np.asarray(inputs_BT)):
+      i, tokens = table[row.tobytes()]
+      out[b] = tokens[1:]
+      for wi, t in wrong:
+        if wi == i:
+          out[b, t] = -1
+    return out
+
+  return predict
+
+
+@pytest.mark.parametrize("task", synthetic.TASKS)
+def test_a_perfect_predictor_scores_one(task):
+  examples = task_vs_length.eval_examples(task, 5, 7, seed=0)
+  got = task_vs_length.score_examples(_predictor(examples), examples, batch_size=3)
+  assert got == {"exact_match": 1.0, "token_accuracy": 1.0, "examples": 7}
+
+
+def test_one_wrong_answer_token_costs_one_example_and_one_token():
+  examples = task_vs_length.eval_examples("copy", 4, 5, seed=0)  # answers: 4 tokens each, 20 in all
+  # Target index t predicts token t + 1: answers are targets 4..7 (tokens 5..8); 0 is a prompt
+  # target, whose errors do not count.
+  predict = _predictor(examples, wrong=[(2, 5), (3, 0)])
+  got = task_vs_length.score_examples(predict, examples, batch_size=2)
+  assert got == {"exact_match": 4 / 5, "token_accuracy": 19 / 20, "examples": 5}
+
+
+def test_eval_examples_depend_only_on_seed_length_and_depth():
+  a = task_vs_length.eval_examples("passkey", 20, 3, seed=1, depth=0.5)
+  b = task_vs_length.eval_examples("passkey", 20, 3, seed=1, depth=0.5)
+  c = task_vs_length.eval_examples("passkey", 20, 3, seed=1, depth=0.0)
+  assert all(np.array_equal(x[0], y[0]) for x, y in zip(a, b, strict=True))
+  assert not all(np.array_equal(x[0], y[0]) for x, y in zip(a, c, strict=True))
+
+
+def test_default_lengths_run_from_the_training_range_to_8x():
+  assert task_vs_length.default_task_lengths(8, 32) == [8, 32, 64, 128, 256]
+
+
+def test_task_plots_are_written(tmp_path):
+  result = {
+    "task": "passkey", "posenc": "rope", "train_lengths": [8, 16],
+    "records": [{"length": 8, "exact_match": 1.0, "token_accuracy": 1.0},
+                {"length": 64, "skipped": "too long"}],
+    "passkey_depths": {"depths": [0.0, 1.0], "lengths": [8], "exact_match": [[1.0], [0.5]]},
+  }  # fmt: skip
+  png = task_plots.plot_task_runs([("a", result)], tmp_path / "a.png")
+  heat = task_plots.plot_passkey_heatmap(result, tmp_path / "h.png")
+  assert png.read_bytes()[:4] == heat.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_randomized_run_is_scored_at_positions_drawn_like_its_training_positions():
+  # The paper's code draws a fresh sorted subset of [0, N) of the sequence's own length in every
+  # forward pass, evaluation included; consecutive positions would be gaps training never made.
+  examples = task_vs_length.eval_examples("copy", 4, 64, seed=0)  # 9 tokens: 8 model inputs
+  seen = []
+
+  def predict(inputs_BT, positions_BT):
+    seen.append(np.asarray(positions_BT))
+    return np.zeros_like(inputs_BT)
+
+  result = task_vs_length.score_examples(
+    predict, examples, batch_size=64, randomize_max=512, draws=3
+  )
+  assert len(seen) == 3 and all(p.shape == (64, 8) for p in seen)
+  for positions in seen:
+    assert np.all(np.diff(positions, axis=1) > 0) and positions.min() >= 0
+    assert positions.max() < 512
+    # The example's own 8 positions span [0, 512): the largest of 8 of 512 averages 455.
+    assert 420 < positions[:, -1].mean() < 490
+  assert not np.array_equal(seen[0], seen[1])  # a fresh draw each time
+  assert len(result["exact_match_draws"]) == len(result["token_accuracy_draws"]) == 3
+  # Consecutive positions for a run trained with them.
+  seen.clear()
+  task_vs_length.score_examples(predict, examples, batch_size=64)
+  np.testing.assert_array_equal(seen[0], np.tile(np.arange(8), (64, 1)))
+
+
+def test_task_grid_keeps_each_label_one_colour_and_one_legend_entry(tmp_path):
+  def result(exact, draws=None):
+    records = [
+      {"length": n, "exact_match": exact, "token_accuracy": (1 + exact) / 2} for n in (4, 16)
+    ]
+    if draws:
+      for r in records:
+        r["token_accuracy_draws"] = draws
+    return {"task": "copy", "train_lengths": [4, 8], "records": records}
+
+  panels = [
+    ("plain", [("rope", result(1.0)), ("alibi", result(0.5))]),
+    ("randomized", [("alibi", result(0.25)), ("rope", result(0.0, draws=[0.4, 0.6]))]),
+  ]
+  baseline = {"label": "no lookup", "lengths": [4, 16], "exact_match": [0.1, 0.0],
+              "token_accuracy": [0.5, 0.2]}  # fmt: skip
+  fig = task_plots.task_grid_figure(panels, title="copy", baseline=baseline)
+  (left, right), (left_tok, right_tok) = np.asarray(fig.axes).reshape(2, 2)
+  color = {ax: {line.get_label(): line.get_color() for line in ax.lines} for ax in (left, right)}
+  assert color[left] == color[right]  # the same encoding, the same colour, in either order
+  assert color[left]["rope"] != color[left]["alibi"]
+  assert [line.get_ydata()[0] for line in right.lines] == [0.25, 0.0, 0.1]  # + the baseline
+  # The second row is per-token accuracy, with the range of the draws as a bar.
+  assert [line.get_ydata()[0] for line in right_tok.lines] == [0.625, 0.5, 0.5]
+  (bars,) = right_tok.collections[:1]
+  assert [list(seg[:, 1]) for seg in bars.get_segments()] == [[0.4, 0.6], [0.4, 0.6]]
+  assert left_tok.get_ylabel() == "per-token accuracy" and left.get_ylabel() == "exact match"
+  names = [text.get_text() for text in fig.legends[0].get_texts()]
+  assert names == ["rope", "alibi", "no lookup", "training lengths"]
+  png = task_plots.plot_task_grid(panels, tmp_path / "grid.png")
+  assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_compare_draws_task_curves_of_several_runs(tmp_path):
+  for name in ("a", "b"):
+    result = {
+      "task": "copy", "posenc": name, "randomize_max": 0, "train_lengths": [2, 4],
+      "records": [{"length": 2, "exact_match": 0.5, "token_accuracy": 0.75}],
+    }  # fmt: skip
+    (tmp_path / name / "eval").mkdir(parents=True)
+    (tmp_path / name / "eval" / "task_vs_length.json").write_text(json.dumps(result))
+  png = task_plots.compare_runs([str(tmp_path / "a"), str(tmp_path / "b")], tmp_path / "c.png")
+  assert png.read_bytes()[:4] == b"\x89PNG"
+  with pytest.raises(FileNotFoundError, match="--task_lengths"):
+    task_plots.compare_runs([str(tmp_path / "missing")], tmp_path / "d.png")
+
+
+# ---- End to end (slow): train.py by config alone, evaluation at 8x the training length ----
+
+TINY = [
+  "--config.model.num_layers=1", "--config.model.emb_dim=16", "--config.model.num_heads=2",
+  "--config.model.mlp_dim=32", "--config.data.source=synthetic", "--config.data.task=copy",
+  "--config.data.task_min_len=2", "--config.data.task_max_len=4", "--config.data.seq_len=8",
+  "--config.train.global_batch_size=4", "--config.train.num_train_steps=3",
+  "--config.train.eval_max_tokens=64", "--config.train.log_every_steps=1",
+  "--config.optim.warmup_steps=1",
+]  # fmt: skip
+
+
+def _run(args, env=None):
+  return subprocess.run(
+    [sys.executable, *args], cwd=REPO, capture_output=True, text=True,
+    env={**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})}, timeout=600,
+  )  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+  "posenc",
+  [
+    ["--config.posenc.kind=kerple"],
+    ["--config.posenc.kind=fire"],
+    ["--config.posenc.kind=sandwich"],
+    ["--config.posenc.kind=cope"],
+    ["--config.posenc.kind=rope", "--config.posenc.rope_truncate=0.5"],
+    [
+      "--config.posenc.kind=learned",
+      "--config.posenc.max_len=64",
+      "--config.posenc.randomize_max=64",
+    ],
+  ],
+  ids=["kerple", "fire", "sandwich", "cope", "prope", "learned+randomized"],
+)
+def test_new_encodings_train_by_config_and_evaluate_at_8x(tmp_path, posenc):
+  workdir = str(tmp_path / "run")
+  train = _run(["train.py", "--config=configs/default.py", f"--workdir={workdir}", *TINY, *posenc])
+  assert train.returncode == 0, train.stderr[-2000:]
+  lines = [json.loads(x) for x in open(os.path.join(workdir, "metrics.jsonl"))]
+  assert [x["step"] for x in lines if "train_loss" in x] == [1, 2, 3]
+  ev = _run(["eval.py", f"--workdir={workdir}", "--task_lengths=2,4,32", "--task_examples=4"])
+  assert ev.returncode == 0, ev.stderr[-2000:]
+  result = json.loads(open(os.path.join(workdir, "eval", "task_vs_length.json")).read())
+  assert [r["length"] for r in result["records"]] == [2, 4, 32]  # 32 = 8x the longest
+  assert all(0.0 <= r["token_accuracy"] <= 1.0 for r in result["records"])
+  randomized = any("randomize_max" in arg for arg in posenc)
+  kind = "randomized" if randomized else "consecutive"
+  assert result["positions"]["kind"] == kind
+  assert all(("token_accuracy_draws" in r) == randomized for r in result["records"])
+  assert os.path.exists(os.path.join(workdir, "eval", "task_vs_length.png"))
+
+
+def test_task_evaluation_refuses_a_perplexity_run(tmp_path):
+  from configs import default
+  from roformer import config as config_lib
+
+  config_lib.write_config_json(tmp_path, config_lib.run_config_from_dict(default.get_config()))
+  with pytest.raises(ValueError, match="trained with data.source='pystdlib'"):
+    task_vs_length.evaluate_tasks(tmp_path, lengths=[4])
