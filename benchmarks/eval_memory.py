@@ -30,6 +30,7 @@ def _child(length: int) -> dict:
   import numpy as np
   from flax import nnx
 
+  from roformer import data
   from roformer.evals import perplexity
   from roformer.nn.model import ModelConfig, make_model
 
@@ -53,7 +54,7 @@ def _child(length: int) -> dict:
     max_tokens=length,
     max_length=length,
   )
-  windows = perplexity.make_windows(tokens, model_kind="decoder", **window_args)
+  windows = data.eval_windows(tokens, **window_args)
   graphdef, state = nnx.split(model)
   compiled = perplexity.score_batch.lower(
     graphdef,

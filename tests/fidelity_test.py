@@ -14,7 +14,8 @@ from flax import nnx
 from configs import default
 from roformer import config as config_lib
 from roformer import data, runs
-from roformer.evals import perplexity, plots, ppl_vs_length, spec
+from roformer.data import windows as data_windows
+from roformer.evals import plots, ppl_vs_length, spec
 from roformer.nn.attention import kernels as attention
 from roformer.nn.attention import primitives
 from roformer.nn.model import ModelConfig, make_model, resolve_embed_scale, unsupported_length
@@ -227,19 +228,18 @@ def test_original_max_len_defaults_to_the_init_from_runs_length(tmp_path):
 
 
 def test_centred_sliding_windows_give_scored_tokens_context_on_both_sides():
-  tokens = np.arange(4000, dtype=np.int32)
-  length, stride = 32, 8
+  tokens = np.random.default_rng(0).integers(0, 256, 4000).astype(np.int32)
+  length, stride, before = 32, 8, (32 - 8) // 2  # 12 tokens before the scored 8, 12 after
   w = data.eval_windows(
     tokens, length=length, protocol="sliding", stride=stride, max_tokens=256, max_length=64,
-    centred=True,
+    model_kind="encoder", tokenizer=data.ByteTokenizer(), mlm_probability=0.5,
   )  # fmt: skip
-  scored = w.target_indices[w.weights == 1]
-  np.testing.assert_array_equal(np.sort(scored), np.arange(64, 64 + 256))
-  for row_idx, row_w in zip(w.target_indices, w.weights, strict=True):
-    cols = np.flatnonzero(row_w)
-    assert cols.min() == (length - stride) // 2  # 12 tokens before, 12 after
-    assert length - 1 - cols.max() == (length - stride) - (length - stride) // 2
-    assert row_idx.max() < len(tokens)
+  # Window i covers the span's targets [64 + 8i, 64 + 8i + 8) in its middle columns.
+  np.testing.assert_array_equal(w.target_indices[:, before], 64 + stride * np.arange(256 // stride))
+  np.testing.assert_array_equal(w.targets, tokens[w.target_indices])
+  cols = np.flatnonzero(w.weights.any(axis=0))
+  assert cols.min() == before and length - 1 - cols.max() == length - stride - before
+  assert w.target_indices.max() < len(tokens)
 
 
 def test_encoder_eval_masks_the_same_tokens_at_every_length_and_protocol():
@@ -250,15 +250,11 @@ def test_encoder_eval_masks_the_same_tokens_at_every_length_and_protocol():
   tokens = rng.integers(0, 256, 6000).astype(np.int32)
   masked = set()
   for length, protocol in ((16, "nonoverlapping"), (64, "sliding"), (32, "sliding")):
-    w = perplexity.make_windows(
+    w = data.eval_windows(
       tokens, model_kind="encoder", length=length, protocol=protocol, stride=length // 4,
       max_tokens=512, max_length=64, tokenizer=tokenizer, seed=3,
     )  # fmt: skip
-    idx = data.eval_windows(
-      tokens, length=length, protocol=protocol, stride=length // 4, max_tokens=512,
-      max_length=64, centred=True,
-    ).target_indices  # fmt: skip
-    masked.add(tuple(sorted(set(idx[w.weights > 0].tolist()))))
+    masked.add(tuple(sorted(set(w.target_indices[w.weights > 0].tolist()))))
   assert len(masked) == 1
 
 
@@ -268,6 +264,6 @@ def test_encoder_eval_masks_the_same_tokens_at_every_length_and_protocol():
 def test_packed_evaluation_restarts_positions_and_segments_after_eos():
   eos = 9
   inputs = np.array([[1, 2, eos, 3, 4, eos, eos, 5]])
-  segments, positions = perplexity.document_segments(inputs, eos)
+  segments, positions = data_windows.document_segments(inputs, eos)
   np.testing.assert_array_equal(segments, [[0, 0, 0, 1, 1, 1, 2, 3]])
   np.testing.assert_array_equal(positions, [[0, 1, 2, 0, 1, 2, 0, 0]])

@@ -1,7 +1,8 @@
-"""Perplexity against context length: evaluation windows and their blockwise scoring.
+"""Perplexity against context length: blockwise scoring of the evaluation windows.
 
-Every length scores the same span of tokens (docs/design.md, "Evaluation"); the loss of a window is
-computed over sequence blocks, so a long window never holds its [L, V] logits at once.
+Every length scores the same span of tokens (`data.eval_windows`; docs/design.md, "Evaluation");
+the loss of a window is computed over sequence blocks, so a long window never holds its [L, V]
+logits at once.
 """
 
 import dataclasses
@@ -14,150 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from roformer import data as data_lib
-from roformer.data import MODEL_KINDS, PROTOCOLS
+from roformer.data import EvalWindows, eval_windows
 from roformer.posenc import randomized as randomized_positions
 
 # Tokens per evaluation batch when --batch_size is 0 (windows per batch = this // length).
 AUTO_BATCH_TOKENS = 16384
-
-
-# ---- Windows ----
-
-
-@dataclasses.dataclass(frozen=True)
-class Windows:
-  """Model inputs for one length and protocol; every array is [N, L].
-
-  Attributes:
-    inputs: int32 tokens the model reads (BERT-masked for encoders).
-    targets: int32 tokens scored at each position (next tokens for decoders).
-    positions: int32 positions within the window.
-    weights: float32, 1 where a target is scored, else 0.
-    num_tokens: number of scored targets.
-    segment_ids: int32 document ids within each window (runs trained with packing), or None.
-  """
-
-  inputs: np.ndarray
-  targets: np.ndarray
-  positions: np.ndarray
-  weights: np.ndarray
-  num_tokens: int
-  segment_ids: np.ndarray | None = None
-
-
-def document_segments(inputs_NL: np.ndarray, eos_id: int) -> tuple[np.ndarray, np.ndarray]:
-  """Segment ids and per-document positions of windows over EOS-joined documents.
-
-  A document ends with its EOS, so a new segment starts after every EOS input. This is what a
-  run trained with `data.pack` saw: attention within one document, positions restarting at 0.
-
-  Returns:
-    (segment_ids int32 [N, L], positions int32 [N, L]).
-  """
-  N, L = inputs_NL.shape
-  index_NL = np.broadcast_to(np.arange(L, dtype=np.int64), (N, L))
-  starts_NL = np.zeros((N, L), bool)
-  starts_NL[:, 0] = True
-  starts_NL[:, 1:] = inputs_NL[:, :-1] == eos_id
-  segment_NL = np.cumsum(starts_NL, axis=1) - 1
-  start_index_NL = np.maximum.accumulate(np.where(starts_NL, index_NL, 0), axis=1)
-  return segment_NL.astype(np.int32), (index_NL - start_index_NL).astype(np.int32)
-
-
-def make_windows(
-  tokens,
-  *,
-  model_kind: str,
-  length: int,
-  protocol: str,
-  stride: int,
-  max_tokens: int,
-  max_length: int,
-  tokenizer=None,
-  mlm_probability: float = 0.15,
-  seed: int = 0,
-  packed: bool = False,
-) -> Windows:
-  """Cuts the evaluation span of `tokens` into windows of `length`.
-
-  Decoders use `data.eval_windows` as is; a run trained with packing (`packed`) gets segment ids
-  and per-document positions, as in training, so no token attends across a document boundary.
-  Encoders see the same windows with targets = the window's own tokens, and sliding windows
-  centred on their scored tokens (context on both sides); the BERT mask is drawn once over the
-  whole region the windows can touch (seeded), so every length and protocol scores the same
-  masked tokens.
-
-  Args:
-    tokens: int [T] token stream (documents joined with EOS).
-    model_kind: "decoder" or "encoder".
-    length, protocol, stride, max_tokens, max_length: as `data.eval_windows`.
-    tokenizer: the run's Tokenizer (encoders: mask and special token ids).
-    mlm_probability: fraction of tokens masked (encoders).
-    seed: seed of the mask (encoders).
-    packed: the run was trained with `data.pack` (decoders; needs the tokenizer's EOS id).
-
-  Returns:
-    Windows with arrays [N, length].
-  """
-  if model_kind not in MODEL_KINDS:
-    raise ValueError(f"model.kind must be one of {MODEL_KINDS}, got {model_kind!r}")
-  if protocol not in PROTOCOLS:
-    raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
-  tokens = np.asarray(tokens)
-  encoder = model_kind == "encoder"
-  ew = data_lib.eval_windows(
-    tokens,
-    length=length,
-    protocol=protocol,
-    stride=stride,
-    max_tokens=max_tokens,
-    max_length=max_length,
-    centred=encoder,
-  )
-  if not encoder:
-    inputs = np.asarray(ew.inputs, np.int32)
-    segment_ids, positions = None, np.asarray(ew.positions, np.int32)
-    if packed:
-      if tokenizer is None:
-        raise ValueError("evaluating a run trained with data.pack needs the run's tokenizer")
-      segment_ids, positions = document_segments(inputs, tokenizer.eos_id)
-    return Windows(
-      inputs=inputs,
-      targets=np.asarray(ew.targets, np.int32),
-      positions=positions,
-      weights=np.asarray(ew.weights, np.float32),
-      num_tokens=int(ew.num_tokens),
-      segment_ids=segment_ids,
-    )
-  if tokenizer is None:
-    raise ValueError("evaluating an encoder (model.kind='encoder') needs the run's tokenizer")
-  # An encoder window is the token span a decoder window scores: its targets, read unshifted.
-  index_NL = np.asarray(ew.target_indices, np.int64)
-  # The mask is drawn over a region fixed by the span and max_length alone (the prefix any window
-  # may reach into, the span, the right context of centred windows), so every length and
-  # protocol sees the same masked tokens.
-  region_start = max(0, ew.span_start - max_length)
-  span_stop = ew.span_end + data_lib.right_context(max_length, centred=True)
-  masked_1R, mask_weights_1R = data_lib.mlm_mask(
-    tokens[None, region_start:span_stop],
-    rng=np.random.default_rng(seed),
-    tokenizer=tokenizer,
-    mlm_probability=mlm_probability,
-  )
-  in_region_NL = index_NL >= region_start
-  offset_NL = np.where(in_region_NL, index_NL - region_start, 0)
-  targets_NL = np.asarray(ew.targets, np.int32)
-  weights_NL = np.asarray(ew.weights, np.float32) * np.where(
-    in_region_NL, np.asarray(mask_weights_1R, np.float32)[0][offset_NL], 0.0
-  )
-  return Windows(
-    inputs=np.where(in_region_NL, np.asarray(masked_1R)[0][offset_NL], targets_NL).astype(np.int32),
-    targets=targets_NL,
-    positions=np.asarray(ew.positions, np.int32),
-    weights=weights_NL,
-    num_tokens=int(np.count_nonzero(weights_NL)),
-  )
 
 
 # ---- Blockwise scoring ----
@@ -239,7 +101,7 @@ class Scores:
 
 def score_windows(
   model,
-  windows: Windows,
+  windows: EvalWindows,
   *,
   batch_size: int,
   progress: Callable[[int, int], None] | None = None,
@@ -248,7 +110,7 @@ def score_windows(
 
   Args:
     model: an Encoder or Decoder (`hidden` and `logits`).
-    windows: Windows [N, L].
+    windows: EvalWindows [N, L].
     batch_size: windows per jitted call (at most the number of windows); every call has this
       shape, so one compile per length.
     progress: called as progress(windows_done, num_windows) after each batch.
@@ -307,7 +169,7 @@ def score_windows(
 
 def score_windows_at_positions(
   model,
-  windows: Windows,
+  windows: EvalWindows,
   *,
   batch_size: int,
   randomize_max: int = 0,
@@ -408,7 +270,7 @@ def evaluate_at_length(
     max_length: the largest length evaluated; the span starts after a prefix this long.
     batch_size: windows per jitted call.
     tokenizer, mlm_probability, seed: the encoder's deterministic BERT masking.
-    packed: the run was trained with `data.pack` (see `make_windows`).
+    packed: the run was trained with `data.pack` (see `data.eval_windows`).
     randomize_max: the run's posenc.randomize_max: > 0 scores at randomized positions as in
       training (`score_windows_at_positions`, seeded by `seed`, averaged over `draws`).
     progress: called as progress(windows_done, num_windows).
@@ -429,10 +291,10 @@ def evaluate_at_length(
 def score_at_length(model, tokens, *, length, protocol, stride, max_tokens, max_length,
                     batch_size, tokenizer=None, mlm_probability=0.15, seed=0, packed=False,
                     randomize_max=0, draws=randomized_positions.EVAL_DRAWS,
-                    progress=None) -> tuple[Windows, Scores, list[float]]:  # fmt: skip
+                    progress=None) -> tuple[EvalWindows, Scores, list[float]]:  # fmt: skip
   """The windows of `length` and `model`'s scores on them (arguments as `evaluate_at_length`),
   with each draw's loss when scored at randomized positions (else [])."""
-  windows = make_windows(
+  windows = eval_windows(
     tokens,
     model_kind=model.cfg.kind,
     length=length,

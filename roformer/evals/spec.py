@@ -9,7 +9,7 @@ driver (ppl_vs_length.py) reads only the spec. The spec also names its result fi
 import dataclasses
 from collections.abc import Sequence
 
-from roformer.evals.perplexity import PROTOCOLS
+from roformer.data import PROTOCOLS
 from roformer.evals.plots import DEFAULT_NAME
 from roformer.posenc import randomized as randomized_positions
 from roformer.posenc.rope_scaling import SCALING_KINDS

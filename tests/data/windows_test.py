@@ -1,4 +1,5 @@
-"""Tests of the evaluation windows: the same targets at every length, each scored once."""
+"""Tests of the evaluation windows: the same targets at every length, each scored once; the
+encoder's masked windows."""
 
 import logging
 
@@ -86,6 +87,7 @@ def test_eval_windows_short_split_shrinks_span_with_warning(caplog):
     (dict(length=65), "length=65"),
     (dict(protocol="sliding", stride=0), "stride=0"),
     (dict(protocol="sliding", stride=40), "stride=40"),
+    (dict(model_kind="seq2seq"), "model.kind='seq2seq'.*decoder, encoder"),
   ],
 )
 def test_eval_windows_bad_arguments_raise_data_error(kwargs, pattern):
@@ -95,3 +97,56 @@ def test_eval_windows_bad_arguments_raise_data_error(kwargs, pattern):
   args.update(kwargs)
   with pytest.raises(data.DataError, match=pattern):
     data.eval_windows(args.pop("tokens"), **args)
+
+
+def _text_tokens(n=700, seed=0):
+  # Byte-like text with EOS separators, so the encoder's special-token rule is exercised.
+  tokens = np.random.default_rng(seed).integers(32, 127, n).astype(np.int32)
+  tokens[::50] = data.ByteTokenizer.eos_id
+  return tokens
+
+
+@pytest.mark.parametrize("model_kind", ["decoder", "encoder"])
+def test_eval_windows_every_length_and_protocol_scores_the_same_tokens(model_kind):
+  tokens = _text_tokens()
+  scored = set()
+  for length in (8, 16, 32, 64):
+    for protocol, stride in (("nonoverlapping", length), ("sliding", max(1, length // 4))):
+      w = data.eval_windows(
+        tokens,
+        model_kind=model_kind,
+        length=length,
+        protocol=protocol,
+        stride=stride,
+        max_tokens=256,
+        max_length=64,
+        tokenizer=data.ByteTokenizer(),
+      )
+      # Every scored (window, slot) names its target; the multiset must not depend on the length.
+      targets = tuple(sorted(w.targets[w.weights > 0].tolist()))
+      scored.add((w.num_tokens, float(w.weights.sum()), targets))
+  assert len(scored) == 1
+  num_tokens = scored.pop()[0]
+  assert num_tokens == (256 if model_kind == "decoder" else pytest.approx(0.15 * 256, abs=20))
+
+
+def test_eval_windows_encoder_masks_inputs_only_where_scored_targets_differ():
+  tokens = _text_tokens()
+  w = data.eval_windows(
+    tokens,
+    model_kind="encoder",
+    length=32,
+    protocol="nonoverlapping",
+    stride=32,
+    max_tokens=256,
+    max_length=64,
+    tokenizer=data.ByteTokenizer(),
+  )
+  changed = w.inputs != w.targets
+  assert changed.any()
+  # Corrupted inputs occur only at masked positions; most of those hold the mask token.
+  assert (w.weights[changed] > 0).all()
+  assert (w.inputs[changed] == data.ByteTokenizer.mask_id).mean() > 0.6
+  assert not ((w.weights > 0) & (w.targets == data.ByteTokenizer.eos_id)).any()
+  # Targets are the window's own tokens, at consecutive positions of the stream.
+  np.testing.assert_array_equal(w.targets[0], tokens[64:96])

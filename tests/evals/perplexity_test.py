@@ -1,5 +1,5 @@
 """Tests of evals.perplexity: the same span at every length, protocols, blockwise loss, encoder
-masking."""
+scoring."""
 
 import functools
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from roformer.data import ByteTokenizer
+from roformer.data import ByteTokenizer, eval_windows
 from roformer.evals import perplexity
 from roformer.nn.model import ModelConfig, make_model
 
@@ -59,52 +59,6 @@ def _evaluate(model, tokens, **kwargs):
   return perplexity.evaluate_at_length(model, tokens, **args)
 
 
-@pytest.mark.parametrize("model_kind", ["decoder", "encoder"])
-def test_make_windows_every_length_and_protocol_scores_the_same_tokens(model_kind):
-  tokens = _tokens()
-  scored = set()
-  for length in (8, 16, 32, 64):
-    for protocol, stride in (("nonoverlapping", length), ("sliding", max(1, length // 4))):
-      w = perplexity.make_windows(
-        tokens,
-        model_kind=model_kind,
-        length=length,
-        protocol=protocol,
-        stride=stride,
-        max_tokens=256,
-        max_length=64,
-        tokenizer=ByteTokenizer(),
-      )
-      # Every scored (window, slot) names its target; the multiset must not depend on the length.
-      targets = tuple(sorted(w.targets[w.weights > 0].tolist()))
-      scored.add((w.num_tokens, float(w.weights.sum()), targets))
-  assert len(scored) == 1
-  num_tokens = scored.pop()[0]
-  assert num_tokens == (256 if model_kind == "decoder" else pytest.approx(0.15 * 256, abs=20))
-
-
-def test_make_windows_encoder_masks_inputs_only_where_scored_targets_differ():
-  tokens = _tokens()
-  w = perplexity.make_windows(
-    tokens,
-    model_kind="encoder",
-    length=32,
-    protocol="nonoverlapping",
-    stride=32,
-    max_tokens=256,
-    max_length=64,
-    tokenizer=ByteTokenizer(),
-  )
-  changed = w.inputs != w.targets
-  assert changed.any()
-  # Corrupted inputs occur only at masked positions; most of those hold the mask token.
-  assert (w.weights[changed] > 0).all()
-  assert (w.inputs[changed] == ByteTokenizer.mask_id).mean() > 0.6
-  assert not ((w.weights > 0) & (w.targets == ByteTokenizer.eos_id)).any()
-  # Targets are the window's own tokens, at consecutive positions of the stream.
-  np.testing.assert_array_equal(w.targets[0], tokens[64:96])
-
-
 def test_evaluate_at_length_same_token_count_at_every_length_and_protocol():
   model, tokens = _model(), _tokens()
   counts = set()
@@ -130,7 +84,7 @@ def test_evaluate_at_length_blockwise_matches_full_logits_loss():
   length, block, batch_size = 40, 16, 3
   model, tokens = _model(block=block), _tokens()
   for protocol, stride in (("nonoverlapping", length), ("sliding", length // 4)):
-    windows = perplexity.make_windows(
+    windows = eval_windows(
       tokens,
       model_kind="decoder",
       length=length,
@@ -153,9 +107,7 @@ def test_evaluate_at_length_encoder_reports_masked_loss_and_accuracy():
   kwargs = dict(length=32, protocol="nonoverlapping", stride=32)
   kwargs.update(tokenizer=ByteTokenizer(), mlm_probability=0.15, seed=3)
   r = _evaluate(model, tokens, **kwargs)
-  windows = perplexity.make_windows(
-    tokens, model_kind="encoder", **kwargs, max_tokens=256, max_length=64
-  )
+  windows = eval_windows(tokens, model_kind="encoder", **kwargs, max_tokens=256, max_length=64)
   loss, accuracy = _direct_loss(model, windows)
   assert r["loss"] == pytest.approx(loss, abs=1e-5)
   assert r["accuracy"] == pytest.approx(accuracy, abs=1e-9)
@@ -172,7 +124,7 @@ def test_evaluate_at_length_encoder_without_tokenizer_raises():
 
 def test_score_windows_position_sums_add_up_to_the_loss_sum():
   model, tokens = _model(), _tokens()
-  windows = perplexity.make_windows(
+  windows = eval_windows(
     tokens, model_kind="decoder", length=32, protocol="sliding", stride=8, max_tokens=256,
     max_length=64,
   )  # fmt: skip
@@ -219,7 +171,7 @@ def test_a_randomized_run_is_scored_at_randomized_positions_per_document(monkeyp
   # Each window (each packed document) takes a fresh sorted subset of [0, N) of its own length,
   # in every draw; the loss is the mean over the draws, each draw's loss is returned.
   model, tokens = _model(), _tokens()
-  windows = perplexity.make_windows(
+  windows = eval_windows(
     tokens, model_kind="decoder", length=32, protocol="nonoverlapping", stride=32,
     max_tokens=256, max_length=64, tokenizer=ByteTokenizer(), packed=True,
   )  # fmt: skip
