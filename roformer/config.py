@@ -17,6 +17,7 @@ from roformer.data import synthetic
 from roformer.data.config import SOURCE_FIELDS, SOURCES, TOKENIZERS, DataConfig
 from roformer.errors import ConfigError
 from roformer.infra.sharding import MESH_AXES, MeshConfig
+from roformer.infra.workdir import CONFIG_FILE, read_config_json
 from roformer.nn import model as model_lib
 from roformer.nn.model import ModelConfig
 from roformer.posenc.config import PosEncConfig, RopeScaling
@@ -29,7 +30,6 @@ RESUMABLE_FIELDS = (
   "train.eval_every_steps",
   "train.checkpoint_every_steps",
 )
-CONFIG_FILE = "config.json"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -346,12 +346,12 @@ def _init_from_seq_len(init_from: Any) -> int:
   elif path.parent.name == "checkpoints":
     candidates.append(path.parent.parent)
   for candidate in candidates:
-    config_file = candidate / CONFIG_FILE
-    if config_file.exists():
-      try:
-        return int(json.loads(config_file.read_text())["data"]["seq_len"])
-      except (ValueError, KeyError, TypeError):
-        return 0
+    try:
+      values = read_config_json(candidate)
+      if values is not None:
+        return int(values["data"]["seq_len"])
+    except (ValueError, KeyError, TypeError):
+      return 0
   return 0
 
 
@@ -440,14 +440,6 @@ def check_resume(old: Mapping, new: RunConfig) -> None:
       f"this workdir holds a run with a different config ({details}). A rerun may only change "
       f"{', '.join(RESUMABLE_FIELDS)}; use a new --workdir for a different experiment"
     )
-
-
-def read_config_json(workdir: str | epath.Path) -> dict | None:
-  """DIR/config.json as a dict, or None when the workdir has none."""
-  path = epath.Path(workdir) / CONFIG_FILE
-  if not path.exists():
-    return None
-  return json.loads(path.read_text())
 
 
 def write_config_json(workdir: str | epath.Path, run_config: RunConfig) -> None:

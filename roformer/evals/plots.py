@@ -1,4 +1,8 @@
-"""Plots of eval.py results: perplexity against context length, loss by position in the window."""
+"""Plots of eval.py results: perplexity against context length, loss by position in the window.
+
+Imports no JAX, so eval.py --compare draws existing results without starting it; DIR/config.json
+is read through infra.workdir.read_config_json (roformer.config imports the model).
+"""
 
 import io
 import json
@@ -12,6 +16,8 @@ matplotlib.use("Agg")  # headless: eval runs on servers and TPU VMs
 import matplotlib.pyplot as plt  # noqa: E402
 from etils import epath  # noqa: E402
 from matplotlib import ticker  # noqa: E402
+
+from roformer.infra import workdir as workdir_lib  # noqa: E402
 
 # NAME of DIR/eval/NAME.json and .png when no scaling is applied and no --out is given.
 DEFAULT_NAME = "ppl_vs_length"
@@ -201,7 +207,7 @@ def read_results(sources: Sequence[str], name: str, *, hint: str) -> list[tuple]
 
 def training_length(workdir) -> int:
   """data.seq_len from DIR/config.json, or 0 for a JSON copied away from its run."""
-  config = epath.Path(workdir) / "config.json"
-  if not config.exists():
+  values = workdir_lib.read_config_json(workdir)
+  if values is None:
     return 0
-  return int(json.loads(config.read_text()).get("data", {}).get("seq_len", 0))
+  return int(values.get("data", {}).get("seq_len", 0))

@@ -8,6 +8,7 @@ file only records who held it last, for the message a second run prints. Object-
 
 import datetime
 import fcntl
+import json
 import os
 import socket
 
@@ -104,8 +105,10 @@ class WorkdirLock:
     return False
 
 
+# The run's resolved config, written by roformer.config when the run starts.
+CONFIG_FILE = "config.json"
 # Files of a run that a replacing config makes stale (checkpoints/ is empty when this is used).
-RUN_FILES = ("config.json", "metrics.jsonl", "tokenizer.json", "eval")
+RUN_FILES = (CONFIG_FILE, "metrics.jsonl", "tokenizer.json", "eval")
 REPLACED_DIR = "replaced"
 
 
@@ -120,3 +123,16 @@ def archive_run_files(workdir: str) -> str:
   for name in names:
     (root / name).rename(target / name)
   return str(target)
+
+
+def read_config_json(workdir: str | epath.Path) -> dict | None:
+  """DIR/config.json as a plain dict, or None when the workdir has none.
+
+  The one reader of the file: roformer.config builds the RunConfig from this dict, and the plots
+  (evals/plots.py) read the training length from it here, since importing roformer.config imports
+  the model and JAX, which drawing existing results (eval.py --compare) does not need.
+  """
+  path = epath.Path(workdir) / CONFIG_FILE
+  if not path.exists():
+    return None
+  return json.loads(path.read_text())
