@@ -15,14 +15,14 @@ def run_config(config):
   return config_lib.run_config_from_dict(config, vocab_size=vocab)
 
 
-def synthetic_batch(rc, rng):
+def synthetic_batch(run_config, rng):
   """A global batch shaped like TrainBatches' (random tokens; BERT-style weights for encoders)."""
   import numpy as np
 
-  B, L, V = rc.train.global_batch_size, rc.data.seq_len, rc.model.vocab_size
+  B, L, V = run_config.train.global_batch_size, run_config.data.seq_len, run_config.model.vocab_size
   tokens_BL = rng.integers(0, V, (B, L), dtype=np.int32)
-  if rc.model.kind == "encoder":
-    weights_BL = (rng.random((B, L)) < rc.data.mlm_probability).astype(np.float32)
+  if run_config.model.kind == "encoder":
+    weights_BL = (rng.random((B, L)) < run_config.data.mlm_probability).astype(np.float32)
   else:
     weights_BL = np.ones((B, L), np.float32)
   return {
@@ -37,7 +37,7 @@ def synthetic_batch(rc, rng):
 class JaxTrainer:
   """train_lib's train step on one synthetic batch, jitted as train.py jits it."""
 
-  def __init__(self, rc):
+  def __init__(self, run_config):
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -47,11 +47,11 @@ class JaxTrainer:
     from roformer.train import state as train_state
     from roformer.train import step as step_lib
 
-    self.rc = rc
-    mesh, rules = sharding.make_mesh(rc.mesh), sharding.axis_rules(rc.mesh)
-    tx = optimizer.make_optimizer(rc.optim, rc.train.num_train_steps)
+    self.run_config = run_config
+    mesh, rules = sharding.make_mesh(run_config.mesh), sharding.axis_rules(run_config.mesh)
+    tx = optimizer.make_optimizer(run_config.optim, run_config.train.num_train_steps)
     model_def, self.model_state, opt_def, self.opt_state = train_state.create_train_state(
-      rc, tx, mesh, rules
+      run_config, tx, mesh, rules
     )
     model_sh = sharding.shardings_of(self.model_state)
     opt_sh = sharding.shardings_of(self.opt_state)
@@ -61,14 +61,14 @@ class JaxTrainer:
         step_lib.train_step,
         model_def=model_def,
         opt_def=opt_def,
-        **step_lib.train_step_options(rc),
+        **step_lib.train_step_options(run_config),
       ),
       in_shardings=(model_sh, opt_sh, sharding.batch_sharding(mesh, rules), repl),
       out_shardings=(model_sh, opt_sh, repl),
       donate_argnums=(0, 1),
     )
-    local = synthetic_batch(rc, np.random.default_rng(0))
-    self.batch = sharding.put_batch(local, mesh, rules, rc.train.global_batch_size)
+    local = synthetic_batch(run_config, np.random.default_rng(0))
+    self.batch = sharding.put_batch(local, mesh, rules, run_config.train.global_batch_size)
     self.step = jnp.asarray(0, jnp.int32)
     start = time.perf_counter()
     lowered = step_fn.lower(self.model_state, self.opt_state, self.batch, self.step)
@@ -95,7 +95,7 @@ class DoesNotFitError(Exception):
   """The TPU compiler found that the step needs more memory than the chip has."""
 
 
-def compile_train_step(rc, devices) -> dict:
+def compile_train_step(run_config, devices) -> dict:
   """Lowers and compiles train_lib's train step for `devices`; returns memory and timing."""
   import jax
   import jax.numpy as jnp
@@ -105,17 +105,20 @@ def compile_train_step(rc, devices) -> dict:
   from roformer.train import state as train_state
   from roformer.train import step as step_lib
 
-  mesh = sharding.make_mesh(rc.mesh, devices=devices)
-  rules = sharding.axis_rules(rc.mesh)
-  tx = optimizer.make_optimizer(rc.optim, rc.train.num_train_steps)
-  model_def, model_abs, opt_def, opt_abs = train_state.abstract_train_state(rc, tx, mesh, rules)
+  mesh = sharding.make_mesh(run_config.mesh, devices=devices)
+  rules = sharding.axis_rules(run_config.mesh)
+  tx = optimizer.make_optimizer(run_config.optim, run_config.train.num_train_steps)
+  model_def, model_abs, opt_def, opt_abs = train_state.abstract_train_state(
+    run_config, tx, mesh, rules
+  )
   model_sh, opt_sh = sharding.shardings_of(model_abs), sharding.shardings_of(opt_abs)
   batch_sh, repl = sharding.batch_sharding(mesh, rules), sharding.replicated(mesh)
-  B, L = rc.train.global_batch_size, rc.data.seq_len
+  B, L = run_config.train.global_batch_size, run_config.data.seq_len
   ways = sharding.batch_axis_size(mesh, rules)
-  if (B // rc.optim.grad_accum_steps) % ways:
+  micro_batch = B // run_config.optim.grad_accum_steps
+  if micro_batch % ways:
     raise ValueError(
-      f"train.global_batch_size / optim.grad_accum_steps = {B // rc.optim.grad_accum_steps} "
+      f"train.global_batch_size / optim.grad_accum_steps = {micro_batch} "
       f"must be divisible by the {ways} ways the batch is split over the mesh ({dict(mesh.shape)})"
     )
   batch = {
@@ -126,7 +129,10 @@ def compile_train_step(rc, devices) -> dict:
   }
   step_fn = jax.jit(
     functools.partial(
-      step_lib.train_step, model_def=model_def, opt_def=opt_def, **step_lib.train_step_options(rc)
+      step_lib.train_step,
+      model_def=model_def,
+      opt_def=opt_def,
+      **step_lib.train_step_options(run_config),
     ),
     in_shardings=(model_sh, opt_sh, batch_sh, repl),
     out_shardings=(model_sh, opt_sh, repl),

@@ -66,7 +66,7 @@ def _apply(config, overrides):
       config[group][field] = value
 
 
-def flops_per_token(rc, *, head_fraction: float = 1.0) -> float:
+def flops_per_token(run_config, *, head_fraction: float = 1.0) -> float:
   """6 x matmul parameters + 12 x layers x L x H x K (PaLM), the output layer at a fraction of L.
 
   head_fraction 1 gives the model's nominal FLOPs; the encoder's train step runs its output
@@ -75,7 +75,7 @@ def flops_per_token(rc, *, head_fraction: float = 1.0) -> float:
   """
   from roformer.nn import model as model_lib
 
-  m = rc.model
+  m = run_config.model
   D, F, V = m.emb_dim, m.mlp_dim, m.vocab_size
   E = m.embedding_size or D
   H, G, K = m.num_heads, model_lib.resolve_num_kv_heads(m), model_lib.resolve_head_dim(m)
@@ -84,15 +84,15 @@ def flops_per_token(rc, *, head_fraction: float = 1.0) -> float:
   head = V * E + (D * E if m.kind == "encoder" else 0)
   project = D * E if E != D else 0
   matmul_params = m.num_layers * per_layer + head * head_fraction + project
-  return 6.0 * matmul_params + 12.0 * m.num_layers * rc.data.seq_len * H * K
+  return 6.0 * matmul_params + 12.0 * m.num_layers * run_config.data.seq_len * H * K
 
 
-def executed_head_fraction(rc) -> float:
+def executed_head_fraction(run_config) -> float:
   """Fraction of positions the train step runs the output layer at."""
   from roformer.train import step as step_lib
 
-  capacity = step_lib.train_step_options(rc)["max_predictions"]
-  return capacity / rc.data.seq_len if capacity else 1.0
+  capacity = step_lib.train_step_options(run_config)["max_predictions"]
+  return capacity / run_config.data.seq_len if capacity else 1.0
 
 
 def measure_peak(size: int, dtype: str) -> float:
@@ -114,12 +114,12 @@ def measure_peak(size: int, dtype: str) -> float:
 class HfTrainer:
   """Hugging Face RoFormer of the same shape, trained with torch AdamW on the same batch."""
 
-  def __init__(self, rc):
+  def __init__(self, run_config):
     import numpy as np
     import torch
     import transformers
 
-    m, o = rc.model, rc.optim
+    m, o = run_config.model, run_config.optim
     E = m.embedding_size or m.emb_dim
     hf_config = transformers.RoFormerConfig(
       vocab_size=m.vocab_size,
@@ -131,7 +131,7 @@ class HfTrainer:
       hidden_act="gelu",
       hidden_dropout_prob=m.dropout_rate,
       attention_probs_dropout_prob=m.dropout_rate,
-      max_position_embeddings=rc.data.seq_len,
+      max_position_embeddings=run_config.data.seq_len,
       type_vocab_size=max(m.type_vocab_size, 1),
       layer_norm_eps=m.norm_eps,
       is_decoder=m.kind == "decoder",
@@ -148,7 +148,7 @@ class HfTrainer:
       eps=o.eps,
       weight_decay=o.weight_decay,
     )
-    batch = bench_step.synthetic_batch(rc, np.random.default_rng(0))
+    batch = bench_step.synthetic_batch(run_config, np.random.default_rng(0))
     self.inputs = torch.from_numpy(batch["inputs"]).long()
     labels = batch["inputs"].astype(np.int64)
     if m.kind == "encoder":  # HF ignores label -100: loss on masked positions only
@@ -185,13 +185,13 @@ def _hf_missing() -> str:
   return ""
 
 
-def benchmark(rc, *, steps, repeats, warmup, peak_size, compare_hf) -> dict:
+def benchmark(run_config, *, steps, repeats, warmup, peak_size, compare_hf) -> dict:
   """Compiles and times the train step (and HF's when asked); returns the results."""
   import jax
 
-  tokens_per_step = rc.train.global_batch_size * rc.data.seq_len
-  ours = bench_step.JaxTrainer(rc)
-  hf = HfTrainer(rc) if compare_hf else None
+  tokens_per_step = run_config.train.global_batch_size * run_config.data.seq_len
+  ours = bench_step.JaxTrainer(run_config)
+  hf = HfTrainer(run_config) if compare_hf else None
   ours.run(warmup)
   if hf is not None:
     hf.run(warmup)
@@ -201,15 +201,15 @@ def benchmark(rc, *, steps, repeats, warmup, peak_size, compare_hf) -> dict:
     if hf is not None:
       hf_s.append(hf.run(steps))
   tokens_per_sec = tokens_per_step * steps / statistics.median(ours_s)
-  peak = measure_peak(peak_size, rc.model.dtype)
-  executed = flops_per_token(rc, head_fraction=executed_head_fraction(rc))
-  nominal = flops_per_token(rc)
-  m = rc.model
+  peak = measure_peak(peak_size, run_config.model.dtype)
+  executed = flops_per_token(run_config, head_fraction=executed_head_fraction(run_config))
+  nominal = flops_per_token(run_config)
+  m = run_config.model
   result = {
     "kind": m.kind,
     "shape": (
       f"{m.num_layers}x{m.emb_dim} H{m.num_heads} F{m.mlp_dim} V{m.vocab_size} "
-      f"B{rc.train.global_batch_size} L{rc.data.seq_len} {m.dtype}"
+      f"B{run_config.train.global_batch_size} L{run_config.data.seq_len} {m.dtype}"
     ),
     "devices": f"{jax.device_count()} {jax.devices()[0].platform}",
     "compile_seconds": ours.compile_seconds,
@@ -271,12 +271,12 @@ def main(argv):
   from roformer import config as config_lib
 
   try:
-    rc = bench_step.run_config(config)
+    run_config = bench_step.run_config(config)
   except config_lib.ConfigError as e:
     print(f"throughput.py: error: {e}", file=sys.stderr)
     sys.exit(1)
   result = benchmark(
-    rc,
+    run_config,
     steps=steps,
     repeats=repeats,
     warmup=warmup,

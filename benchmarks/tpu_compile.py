@@ -71,9 +71,9 @@ def main(argv):
 
   config = FLAGS.config
   try:
-    rc = bench_step.run_config(config)
+    run_config = bench_step.run_config(config)
     devices = topology_devices(FLAGS.topology, FLAGS.chip_config)
-    result = bench_step.compile_train_step(rc, devices)
+    result = bench_step.compile_train_step(run_config, devices)
   except (config_lib.ConfigError, RuntimeError, ValueError) as e:
     print(f"tpu_compile.py: error: {e}", file=sys.stderr)
     sys.exit(1)
@@ -85,7 +85,7 @@ def main(argv):
   kind = devices[0].device_kind
   hbm = HBM_PER_CHIP.get(kind, 0)
   hosts = len({d.process_index for d in devices})
-  m = rc.model
+  m = run_config.model
   rows = [
     ("topology", f"{FLAGS.topology}: {len(devices)} x {kind} on {hosts} hosts"),
     ("mesh", ", ".join(f"{k}={v}" for k, v in result["mesh"].items())),
@@ -94,7 +94,7 @@ def main(argv):
       f"{m.kind} {m.num_layers}x{m.emb_dim} H{m.num_heads} F{m.mlp_dim} V{m.vocab_size} "
       f"{m.dtype}, {result['num_params'] / 1e6:.1f}M parameters",
     ),
-    ("batch", f"{rc.train.global_batch_size} x {rc.data.seq_len} tokens"),
+    ("batch", f"{run_config.train.global_batch_size} x {run_config.data.seq_len} tokens"),
     ("compile (s)", f"{result['compile_seconds']:.1f}"),
     ("arguments / device (GiB)", f"{result['argument_bytes'] / GIB:.3f}"),
     ("temporaries / device (GiB)", f"{result['temp_bytes'] / GIB:.3f}"),

@@ -67,9 +67,9 @@ def attention_table() -> str:
   rows = []
   for length in map(int, FLAGS.lengths):
     for impl in ("dense", "chunked"):
-      rc = _run_config(**{"data.seq_len": length, "model.attention_impl": impl})
-      memory = bench_step.compile_train_step(rc, jax.devices())
-      trainer = bench_step.JaxTrainer(rc)
+      run_config = _run_config(**{"data.seq_len": length, "model.attention_impl": impl})
+      memory = bench_step.compile_train_step(run_config, jax.devices())
+      trainer = bench_step.JaxTrainer(run_config)
       trainer.run(1)
       seconds = statistics.median(trainer.run(1) for _ in range(FLAGS.steps))
       rows.append(
@@ -89,7 +89,7 @@ def remat_table() -> str:
   # forward early); under lax.scan each backward iteration recomputes its own block.
   for scan in (False, True):
     for remat in ("none", "block", "full"):
-      rc = _run_config(
+      run_config = _run_config(
         **{
           "data.seq_len": FLAGS.remat_length,
           "model.remat": remat,
@@ -97,7 +97,7 @@ def remat_table() -> str:
           "model.scan_layers": scan,
         }
       )
-      memory = bench_step.compile_train_step(rc, jax.devices())
+      memory = bench_step.compile_train_step(run_config, jax.devices())
       temp = f"{memory['temp_bytes'] / MIB:,.0f}"
       rows.append([FLAGS.remat_length, FLAGS.remat_attention_impl, scan, remat, temp])
   header = ["length", "attention", "scan_layers", "remat", "XLA temporaries (MiB)"]
@@ -110,9 +110,9 @@ def compile_table() -> str:
 
   rows = []
   for scan in (False, True):
-    rc = _run_config(**{"data.seq_len": 256, "model.num_layers": FLAGS.deep_layers,
+    run_config = _run_config(**{"data.seq_len": 256, "model.num_layers": FLAGS.deep_layers,
                         "model.scan_layers": scan})  # fmt: skip
-    result = bench_step.compile_train_step(rc, jax.devices())
+    result = bench_step.compile_train_step(run_config, jax.devices())
     rows.append([FLAGS.deep_layers, scan, f"{result['compile_seconds']:.1f}"])
   return _table(["layers", "scan_layers", "compile (s)"], rows)
 

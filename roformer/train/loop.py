@@ -86,7 +86,7 @@ class Loop:
   last_eval: dict = dataclasses.field(default_factory=dict)
 
   @property
-  def config(self) -> RunConfig:
+  def run_config(self) -> RunConfig:
     return self.setup.run_config
 
 
@@ -116,10 +116,10 @@ def due(train: config_lib.TrainConfig, done: int, stop: bool) -> Due:
 
 def evaluate(loop: Loop, step: int) -> None:
   """The periodic evaluation: perplexity at the training length, non-overlapping windows."""
-  rc, setup = loop.config, loop.setup
+  run_config, setup = loop.run_config, loop.setup
   if loop.validation is None:
     loop.validation = setup.corpus.tokens("validation")
-  seq_len, is_encoder = rc.data.seq_len, rc.model.kind == "encoder"
+  seq_len, is_encoder = run_config.data.seq_len, run_config.model.kind == "encoder"
   model = nnx.merge(loop.model_def, loop.model_state)
   start = time.perf_counter()
   with jax.set_mesh(setup.mesh):
@@ -129,14 +129,14 @@ def evaluate(loop: Loop, step: int) -> None:
       length=seq_len,
       protocol="nonoverlapping",
       stride=seq_len,
-      max_tokens=rc.train.eval_max_tokens,
+      max_tokens=run_config.train.eval_max_tokens,
       max_length=seq_len,
-      batch_size=rc.train.eval_batch_size or rc.train.global_batch_size,
+      batch_size=run_config.train.eval_batch_size or run_config.train.global_batch_size,
       tokenizer=setup.corpus.tokenizer,
-      mlm_probability=rc.data.mlm_probability,
-      seed=rc.train.seed,
-      packed=rc.data.pack,
-      randomize_max=rc.model.posenc.randomize_max,
+      mlm_probability=run_config.data.mlm_probability,
+      seed=run_config.train.seed,
+      packed=run_config.data.pack,
+      randomize_max=run_config.model.posenc.randomize_max,
       draws=1,  # one draw of randomized positions per periodic evaluation; eval.py takes more
     )
   scalars = {
@@ -161,7 +161,7 @@ def evaluate(loop: Loop, step: int) -> None:
 
 
 def save(loop: Loop, step: int) -> None:
-  meta = {"step": step, "data": {"next_batch": step, "seed": loop.config.train.seed}}
+  meta = {"step": step, "data": {"next_batch": step, "seed": loop.run_config.train.seed}}
   checkpoint.save(loop.manager, step, loop.model_state, loop.opt_state, meta)
 
 
@@ -191,9 +191,9 @@ def finish_step(loop: Loop, step: int, metrics: dict) -> None:
 
 def log_train(loop: Loop, step: int) -> None:
   """Writes the train scalars averaged since the last log; restarts the average."""
-  rc = loop.config
+  run_config = loop.run_config
   seconds_per_step = loop.console.rate(step)
-  tokens_per_step = rc.train.global_batch_size * rc.data.seq_len
+  tokens_per_step = run_config.train.global_batch_size * run_config.data.seq_len
   sums = loop.sums
   scalars = {
     "train_loss": sums.mean(sums.loss),
@@ -201,9 +201,9 @@ def log_train(loop: Loop, step: int) -> None:
     "tokens_per_sec": tokens_per_step / max(seconds_per_step, 1e-9),
     "grad_norm": float(loop.last_metrics["grad_norm"]),
   }
-  if rc.model.kind == "encoder":
+  if run_config.model.kind == "encoder":
     scalars["train_accuracy"] = sums.mean(sums.correct)
-  if sums.steps != rc.train.log_every_steps:
+  if sums.steps != run_config.train.log_every_steps:
     # A window cut short (the first one after a resume, the last one of a run): its average
     # covers fewer steps than an uninterrupted run's record of the same step; say how many.
     scalars["train_loss_steps"] = sums.steps
@@ -349,7 +349,7 @@ def _lock(workdir: epath.Path, stack: contextlib.ExitStack) -> None:
 
 def _jit_train_step(loop: Loop) -> Any:
   """train_step jitted with the state's shardings, donating the state."""
-  rc, mesh, rules = loop.config, loop.setup.mesh, loop.setup.rules
+  run_config, mesh, rules = loop.run_config, loop.setup.mesh, loop.setup.rules
   model_sh = sharding.shardings_of(loop.model_state)
   opt_sh = sharding.shardings_of(loop.opt_state)
   repl = sharding.replicated(mesh)
@@ -358,7 +358,7 @@ def _jit_train_step(loop: Loop) -> Any:
       train_step_lib.train_step,
       model_def=loop.model_def,
       opt_def=loop.opt_def,
-      **train_step_lib.train_step_options(rc),
+      **train_step_lib.train_step_options(run_config),
     ),
     in_shardings=(model_sh, opt_sh, sharding.batch_sharding(mesh, rules), repl),
     out_shardings=(model_sh, opt_sh, repl),
@@ -373,7 +373,7 @@ def _compile(loop: Loop, step_fn: Any, batch: dict, step_array: jax.Array) -> An
     "Compiled the train step in %.1fs; training from step %d to %d.",
     time.perf_counter() - start,
     loop.start_step,
-    loop.config.train.num_train_steps,
+    loop.run_config.train.num_train_steps,
   )
   return compiled
 
@@ -381,20 +381,20 @@ def _compile(loop: Loop, step_fn: Any, batch: dict, step_array: jax.Array) -> An
 def _start(run_config: RunConfig, workdir: epath.Path) -> Loop:
   """Checks the config against the workdir, writes config.json, restores or creates the state."""
   setup = _setup_or_config_error(run_config, workdir)
-  rc = setup.run_config
-  train = rc.train
+  run_config = setup.run_config  # with the tokenizer's vocabulary size
+  train = run_config.train
   is_main = jax.process_index() == 0
   if is_main:
-    config_lib.write_config_json(workdir, rc)
+    config_lib.write_config_json(workdir, run_config)
   tx = make_optimizer(
-    rc.optim,
+    run_config.optim,
     train.num_train_steps,
-    decay_posenc=POSENCS[rc.model.posenc.kind].decays_parameters,
+    decay_posenc=POSENCS[run_config.model.posenc.kind].decays_parameters,
   )
   manager = checkpoint.make_manager(workdir, keep=train.keep_checkpoints)
   try:
     model_def, model_state, opt_def, opt_state, start_step = train_state.restore_or_init(
-      rc, setup.mesh, setup.rules, tx, manager, workdir
+      run_config, setup.mesh, setup.rules, tx, manager, workdir
     )
   except BaseException:
     manager.close()
@@ -451,7 +451,7 @@ def train_and_evaluate(config: Any, workdir: str) -> dict:
 
 def _train(loop: Loop) -> None:
   """Steps from loop.start_step to train.num_train_steps, or until a signal asks to stop."""
-  setup, train = loop.setup, loop.config.train
+  setup, train = loop.setup, loop.run_config.train
   step_fn, compiled, pending = _jit_train_step(loop), None, None
 
   def load(step: int):  # runs on the prefetch thread, ahead of the step that uses it

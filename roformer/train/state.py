@@ -80,7 +80,7 @@ def _set_aside(manager, workdir: epath.Path, steps: list[int], resumed: int) -> 
 
 
 def restore_or_init(
-  rc: RunConfig, mesh, rules, tx: optax.GradientTransformation, manager, workdir: epath.Path
+  run_config: RunConfig, mesh, rules, tx: optax.GradientTransformation, manager, workdir: epath.Path
 ) -> tuple:
   """The train state: the latest checkpoint's, else fresh (or train.init_from's parameters).
 
@@ -88,7 +88,7 @@ def restore_or_init(
     (model_def, model_state, opt_def, opt_state, start_step).
   """
   if manager.latest_step() is not None:
-    model_def, model_abs, opt_def, opt_abs = abstract_train_state(rc, tx, mesh, rules)
+    model_def, model_abs, opt_def, opt_abs = abstract_train_state(run_config, tx, mesh, rules)
     model_state, opt_state, meta, step, unreadable = checkpoint.restore_latest_readable(
       manager, model_abs, opt_abs
     )
@@ -96,9 +96,9 @@ def restore_or_init(
       _set_aside(manager, workdir, unreadable, step)
     logging.info("Resumed from the checkpoint of step %d (%s).", step, meta)
     return model_def, model_state, opt_def, opt_state, step
-  model_def, model_state, opt_def, opt_state = create_train_state(rc, tx, mesh, rules)
-  if rc.train.init_from:
+  model_def, model_state, opt_def, opt_state = create_train_state(run_config, tx, mesh, rules)
+  if run_config.train.init_from:
     model_state = init_from.load_init_state(
-      rc.train.init_from, abstract_like(model_state), rc.model
+      run_config.train.init_from, abstract_like(model_state), run_config.model
     )
   return model_def, model_state, opt_def, opt_state, 0

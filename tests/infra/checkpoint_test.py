@@ -32,9 +32,9 @@ def _leaves(state):
   return [np.asarray(x) for x in jax.tree.leaves(state)]
 
 
-def _save_run(workdir, rc, model_state, opt_state, *, step):
+def _save_run(workdir, run_config, model_state, opt_state, *, step):
   """A finished run in `workdir`: its config.json and one checkpoint at `step`."""
-  config_lib.write_config_json(workdir, rc)
+  config_lib.write_config_json(workdir, run_config)
   manager = checkpoint.make_manager(workdir)
   checkpoint.save(manager, step, model_state, opt_state, {"step": step})
   manager.wait_until_finished()
@@ -43,21 +43,24 @@ def _save_run(workdir, rc, model_state, opt_state, *, step):
 
 @pytest.fixture(scope="module")
 def train_state():
-  rc = _tiny_run_config()
-  mesh = sharding.make_mesh(rc.mesh)
-  tx = optimizer.make_optimizer(rc.optim, 10)
-  return rc, mesh, tx, state_lib.create_train_state(rc, tx, mesh, rc.mesh.rules)
+  run_config = _tiny_run_config()
+  mesh = sharding.make_mesh(run_config.mesh)
+  tx = optimizer.make_optimizer(run_config.optim, 10)
+  state = state_lib.create_train_state(run_config, tx, mesh, run_config.mesh.rules)
+  return run_config, mesh, tx, state
 
 
 def test_checkpoint_round_trip_restores_every_array_with_its_sharding(tmp_path, train_state):
-  rc, mesh, tx, (model_def, model_state, opt_def, opt_state) = train_state
+  run_config, mesh, tx, (model_def, model_state, opt_def, opt_state) = train_state
   # Make the optimizer state non-trivial so a restore of zeros would be caught.
   opt_state = jax.tree.map(lambda x: x + 1 if x.dtype == np.float32 else x, opt_state)
   manager = checkpoint.make_manager(tmp_path, keep=2)
   checkpoint.save(manager, 7, model_state, opt_state, {"step": 7, "data": {"next_batch": 7}})
   manager.wait_until_finished()
   assert manager.latest_step() == 7
-  _, model_abs, _, opt_abs = state_lib.abstract_train_state(rc, tx, mesh, rc.mesh.rules)
+  _, model_abs, _, opt_abs = state_lib.abstract_train_state(
+    run_config, tx, mesh, run_config.mesh.rules
+  )
   model_back, opt_back, meta = checkpoint.restore(manager, 7, model_abs, opt_abs)
   manager.close()
   assert meta == {"step": 7, "data": {"next_batch": 7}}
@@ -80,8 +83,8 @@ def test_manager_keeps_only_the_latest_checkpoints(tmp_path, train_state):
 
 
 def test_restore_model_returns_the_saved_parameters(tmp_path, train_state):
-  rc, _, _, (model_def, model_state, _, opt_state) = train_state
-  _save_run(tmp_path, rc, model_state, opt_state, step=3)
+  run_config, _, _, (model_def, model_state, _, opt_state) = train_state
+  _save_run(tmp_path, run_config, model_state, opt_state, step=3)
   model, step = runs.restore_model(tmp_path)
   assert step == 3
   for a, b in zip(_leaves(model_state), _leaves(nnx.state(model)), strict=True):
@@ -126,7 +129,7 @@ def test_preemption_watcher_second_sigint_interrupts_at_once():
 
 
 def test_restore_latest_readable_skips_a_truncated_checkpoint(tmp_path, train_state):
-  rc, mesh, tx, (_, model_state, _, opt_state) = train_state
+  run_config, mesh, tx, (_, model_state, _, opt_state) = train_state
   manager = checkpoint.make_manager(tmp_path)
   for step in (2, 4):
     checkpoint.save(manager, step, model_state, opt_state, {"step": step})
@@ -134,7 +137,9 @@ def test_restore_latest_readable_skips_a_truncated_checkpoint(tmp_path, train_st
   data_files = [p for p in (tmp_path / "checkpoints" / "4" / "model").rglob("d/*") if p.is_file()]
   biggest = max(data_files, key=lambda p: p.stat().st_size)
   biggest.write_bytes(biggest.read_bytes()[:50])
-  _, model_abs, _, opt_abs = state_lib.abstract_train_state(rc, tx, mesh, rc.mesh.rules)
+  _, model_abs, _, opt_abs = state_lib.abstract_train_state(
+    run_config, tx, mesh, run_config.mesh.rules
+  )
   restored, _, meta, step, unreadable = checkpoint.restore_latest_readable(
     manager, model_abs, opt_abs
   )
@@ -151,13 +156,15 @@ def test_restore_latest_readable_skips_a_truncated_checkpoint(tmp_path, train_st
 def test_restore_latest_readable_without_a_readable_checkpoint_raises_one_line(
   tmp_path, train_state
 ):
-  rc, mesh, tx, (_, model_state, _, opt_state) = train_state
+  run_config, mesh, tx, (_, model_state, _, opt_state) = train_state
   manager = checkpoint.make_manager(tmp_path)
   checkpoint.save(manager, 3, model_state, opt_state, {"step": 3})
   manager.wait_until_finished()
   for path in (tmp_path / "checkpoints" / "3" / "optimizer").rglob("d/*"):
     path.write_bytes(b"")
-  _, model_abs, _, opt_abs = state_lib.abstract_train_state(rc, tx, mesh, rc.mesh.rules)
+  _, model_abs, _, opt_abs = state_lib.abstract_train_state(
+    run_config, tx, mesh, run_config.mesh.rules
+  )
   with pytest.raises(checkpoint.CheckpointNotFoundError) as error:
     checkpoint.restore_latest_readable(manager, model_abs, opt_abs)
   manager.close()
@@ -166,8 +173,8 @@ def test_restore_latest_readable_without_a_readable_checkpoint_raises_one_line(
 
 @pytest.mark.parametrize("suffix", ["", "checkpoints", "checkpoints/4"])
 def test_init_from_a_run_loads_its_parameters(tmp_path, train_state, suffix):
-  rc, _, _, (_, model_state, _, opt_state) = train_state
-  _save_run(tmp_path, rc, model_state, opt_state, step=4)
+  run_config, _, _, (_, model_state, _, opt_state) = train_state
+  _save_run(tmp_path, run_config, model_state, opt_state, step=4)
   abstract = jax.tree.map(
     lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), model_state
   )
@@ -177,22 +184,25 @@ def test_init_from_a_run_loads_its_parameters(tmp_path, train_state, suffix):
 
 
 def _scan_train_state():
-  rc = _tiny_run_config()
-  model = dataclasses.replace(rc.model, num_layers=2, scan_layers=True, remat="full")
-  rc = dataclasses.replace(rc, model=model)
-  mesh = sharding.make_mesh(rc.mesh)
-  tx = optimizer.make_optimizer(rc.optim, 10)
-  return rc, mesh, tx, state_lib.create_train_state(rc, tx, mesh, rc.mesh.rules)
+  run_config = _tiny_run_config()
+  model = dataclasses.replace(run_config.model, num_layers=2, scan_layers=True, remat="full")
+  run_config = dataclasses.replace(run_config, model=model)
+  mesh = sharding.make_mesh(run_config.mesh)
+  tx = optimizer.make_optimizer(run_config.optim, 10)
+  state = state_lib.create_train_state(run_config, tx, mesh, run_config.mesh.rules)
+  return run_config, mesh, tx, state
 
 
 def test_scan_layers_checkpoint_round_trip_keeps_stacked_parameters(tmp_path):
-  rc, mesh, tx, (_, model_state, _, opt_state) = _scan_train_state()
+  run_config, mesh, tx, (_, model_state, _, opt_state) = _scan_train_state()
   stacked = nnx.state(model_state, nnx.Param)["layers"]["mlp"]["up"]["kernel"]
   assert stacked.shape == (2, 16, 32)
   manager = checkpoint.make_manager(tmp_path, keep=1)
   checkpoint.save(manager, 3, model_state, opt_state, {"step": 3})
   manager.wait_until_finished()
-  _, model_abs, _, opt_abs = state_lib.abstract_train_state(rc, tx, mesh, rc.mesh.rules)
+  _, model_abs, _, opt_abs = state_lib.abstract_train_state(
+    run_config, tx, mesh, run_config.mesh.rules
+  )
   model_back, opt_back, _ = checkpoint.restore(manager, 3, model_abs, opt_abs)
   manager.close()
   for a, b in zip(
@@ -202,7 +212,7 @@ def test_scan_layers_checkpoint_round_trip_keeps_stacked_parameters(tmp_path):
 
 
 def test_init_from_hugging_face_into_scanned_layers_is_one_clear_error():
-  rc, mesh, tx, (_, model_state, _, _) = _scan_train_state()
+  run_config, mesh, tx, (_, model_state, _, _) = _scan_train_state()
   fixture = testing.FIXTURES / "hf_roformer_tiny"
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), model_state)
   with pytest.raises(config_lib.ConfigError, match="scan_layers=False"):
@@ -212,13 +222,13 @@ def test_init_from_hugging_face_into_scanned_layers_is_one_clear_error():
 def test_init_from_a_run_of_another_shape_names_the_parameters_and_config_fields(
   tmp_path, train_state
 ):
-  rc, _, _, (_, model_state, _, opt_state) = train_state
-  _save_run(tmp_path, rc, model_state, opt_state, step=4)
-  wider = dataclasses.replace(rc.model, mlp_dim=48)
-  mesh = sharding.make_mesh(rc.mesh)
-  other = dataclasses.replace(rc, model=wider)
+  run_config, _, _, (_, model_state, _, opt_state) = train_state
+  _save_run(tmp_path, run_config, model_state, opt_state, step=4)
+  wider = dataclasses.replace(run_config.model, mlp_dim=48)
+  mesh = sharding.make_mesh(run_config.mesh)
+  other = dataclasses.replace(run_config, model=wider)
   _, abstract, _, _ = state_lib.abstract_train_state(
-    other, optimizer.make_optimizer(rc.optim, 10), mesh, rc.mesh.rules
+    other, optimizer.make_optimizer(run_config.optim, 10), mesh, run_config.mesh.rules
   )
   with pytest.raises(config_lib.ConfigError) as error:
     init_from.load_init_state(str(tmp_path), abstract, wider)

@@ -78,10 +78,10 @@ from roformer.train import optimizer, state
 
 overrides, workdir = json.loads(sys.argv[1]), sys.argv[2]
 config = testing.tiny_config(overrides)
-rc = config_lib.run_config_from_dict(config)
-mesh = sharding.make_mesh(rc.mesh)
-tx = optimizer.make_optimizer(rc.optim, rc.train.num_train_steps)
-_, model_state, _, opt_state = state.create_train_state(rc, tx, mesh, rc.mesh.rules)
+run_config = config_lib.run_config_from_dict(config)
+mesh = sharding.make_mesh(run_config.mesh)
+tx = optimizer.make_optimizer(run_config.optim, run_config.train.num_train_steps)
+_, model_state, _, opt_state = state.create_train_state(run_config, tx, mesh, run_config.mesh.rules)
 specs = {
   "/".join(map(str, path)): str(v.get_value().sharding.spec)
   for state in (model_state, opt_state)
