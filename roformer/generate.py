@@ -3,7 +3,7 @@
 The prompt is prefilled in one call (one forward pass that also fills the caches), then each new
 token costs one decode step over the caches; `generate` compiles the prefill and a scan of
 decode steps into one program. Every attention kind brings its own cache
-(`roformer.attention_kinds`): softmax layers cache `num_kv_heads` unrotated keys and values (a
+(`roformer.nn.attention.kinds`): softmax layers cache `num_kv_heads` unrotated keys and values (a
 ring buffer of w slots under a sliding window w), multi-head latent attention its latent and
 rotary key, causal linear attention its recurrent state. Positions are 0 .. P + N - 1 in every
 row.
@@ -194,7 +194,7 @@ def generate(
   """Continues each prompt row by `max_new_tokens` tokens.
 
   Args:
-    model: a `roformer.model.Decoder` (an encoder is refused).
+    model: a `roformer.nn.Decoder` (an encoder is refused).
     prompt_BP: int tokens [B, P], all rows of length P, at positions 0 .. P - 1.
     max_new_tokens: N >= 1.
     temperature: 0 = greedy (argmax); > 0 samples from softmax(logits / temperature).

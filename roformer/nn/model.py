@@ -219,8 +219,62 @@ def _check_windows(cfg: ModelConfig) -> None:
 
 # ---- Models ----
 
+# Dropout sites fold their index into the forward pass's key: the embeddings, then layer i with
+# _FIRST_LAYER + i; inside a block, the attention probabilities, the attention output and the MLP.
+_EMBED, _FIRST_LAYER = 0, 1
+_ATTN, _OUT, _MLP = 0, 1, 2
 
-class Encoder(nnx.Module):
+
+class _Model(nnx.Module):
+  """The forward pass the Encoder and the Decoder share: embeddings, blocks, final norm, head.
+
+  A model defines `_embed` (tokens to the first block's input), `_final` (the last block's
+  output to the final hidden states) and `logits` (its head).
+  """
+
+  def __call__(self, tokens_BL, positions_BL, **kwargs):
+    """Float32 logits [B, L, V]; arguments as `hidden`."""
+    return self.logits(self.hidden(tokens_BL, positions_BL, **kwargs))
+
+  def hidden(
+    self,
+    tokens_BL,
+    positions_BL,
+    *,
+    segment_ids_BL=None,
+    token_type_ids_BL=None,
+    deterministic: bool = True,
+    rngs: nnx.Rngs | None = None,
+  ):
+    """Final hidden states [B, L, D] in the compute dtype, before the head.
+
+    Args:
+      tokens_BL: int32 token ids.
+      positions_BL: int32 positions (restarting per packed document).
+      segment_ids_BL: int32 document ids; tokens attend only within their id. None = one document.
+      token_type_ids_BL: int32 token types (encoders with model.type_vocab_size > 0; None = all 0).
+      deterministic: False enables dropout, which needs `rngs=nnx.Rngs(dropout=key)`.
+      rngs: dropout keys.
+    """
+    cfg = self.cfg
+    _check_inputs(tokens_BL, positions_BL, segment_ids_BL, token_type_ids_BL, cfg)
+    key = _dropout_key(cfg, deterministic, rngs)
+    x_BLD = self._embed(tokens_BL, positions_BL, token_type_ids_BL, fold(key, _EMBED))
+    x_BLD, _ = _run_layers(
+      self, x_BLD, positions_BL, self.posenc.prepare(positions_BL),
+      segment_ids_BL=segment_ids_BL, key=key,
+    )  # fmt: skip
+    return self._final(x_BLD)
+
+  def _token_embeddings(self, tokens_BL, positions_BL, token_type_ids_BL=None):
+    """Scaled token embeddings (+ token types) plus the encoding's, in the compute dtype."""
+    x_BLE = self.embed(tokens_BL) * self.embed_multiplier
+    if token_type_ids_BL is not None:
+      x_BLE = x_BLE + self.token_type_embed(token_type_ids_BL)
+    return self.posenc.embed(x_BLE, positions_BL).astype(DTYPES[self.cfg.dtype])
+
+
+class Encoder(_Model):
   """Bidirectional masked-LM Transformer laid out as HF RoFormerForMaskedLM.
 
   Embeddings (word [+ token type] + posenc.embed) -> LayerNorm -> dropout -> optional projection
@@ -252,49 +306,23 @@ class Encoder(nnx.Module):
     bias_init = nnx.with_partitioning(nnx.initializers.zeros, ("vocab",))
     self.head_bias = nnx.Param(bias_init(rngs.params(), (cfg.vocab_size,), DTYPES[cfg.param_dtype]))
 
-  def __call__(self, tokens_BL, positions_BL, **kwargs):
-    """Float32 MLM logits [B, L, V]; arguments as `hidden`."""
-    return self.logits(self.hidden(tokens_BL, positions_BL, **kwargs))
-
-  def hidden(
-    self,
-    tokens_BL,
-    positions_BL,
-    *,
-    segment_ids_BL=None,
-    token_type_ids_BL=None,
-    deterministic: bool = True,
-    rngs: nnx.Rngs | None = None,
-  ):
-    """Final hidden states [B, L, D] in the compute dtype, before the MLM head.
-
-    Args:
-      tokens_BL: int32 token ids.
-      positions_BL: int32 positions (restarting per packed document).
-      segment_ids_BL: int32 document ids; tokens attend only within their id. None = one document.
-      token_type_ids_BL: int32 token types (needs model.type_vocab_size > 0; None = all 0).
-      deterministic: False enables dropout, which needs `rngs=nnx.Rngs(dropout=key)`.
-      rngs: dropout keys.
-    """
+  def _embed(self, tokens_BL, positions_BL, token_type_ids_BL, key):
     cfg = self.cfg
-    _check_inputs(tokens_BL, positions_BL, segment_ids_BL, token_type_ids_BL, cfg)
-    key = _dropout_key(cfg, deterministic, rngs)
-    x_BLE = self.embed(tokens_BL) * self.embed_multiplier
-    if self.token_type_embed is not None:
-      types_BL = jnp.zeros_like(tokens_BL) if token_type_ids_BL is None else token_type_ids_BL
-      x_BLE = x_BLE + self.token_type_embed(types_BL)
-    x_BLE = self.posenc.embed(x_BLE, positions_BL).astype(DTYPES[cfg.dtype])
+    if self.token_type_embed is not None and token_type_ids_BL is None:
+      token_type_ids_BL = jnp.zeros_like(tokens_BL)
+    x_BLE = self._token_embeddings(tokens_BL, positions_BL, token_type_ids_BL)
 
     def embed_tail(key, x_BLE):
       return _dropout(self.embed_norm(x_BLE), cfg.dropout_rate, key)
 
-    x_BLE = seqwise(embed_tail, x_BLE, block=cfg.attention_block, key=fold(key, 0))
+    x_BLE = seqwise(embed_tail, x_BLE, block=cfg.attention_block, key=key)
     # E -> D has no intermediate wider than its [B, L, D] output, so it needs no blocks.
-    x_BLD = x_BLE if self.embed_project is None else self.embed_project(x_BLE)
-    x_BLD = _run_layers(self, x_BLD, positions_BL, segment_ids_BL, key)
-    if self.final_norm is not None:
-      x_BLD = seqwise(lambda _, x: self.final_norm(x), x_BLD, block=cfg.attention_block)
-    return x_BLD
+    return x_BLE if self.embed_project is None else self.embed_project(x_BLE)
+
+  def _final(self, x_BLD):
+    if self.final_norm is None:
+      return x_BLD
+    return seqwise(lambda _, x: self.final_norm(x), x_BLD, block=self.cfg.attention_block)
 
   def logits(self, h_BLD):
     """MLM head: hidden [B, L, D] -> float32 logits [B, L, V]."""
@@ -307,7 +335,7 @@ class Encoder(nnx.Module):
     return logits_BLV.astype(jnp.float32) + self.head_bias[...].astype(jnp.float32)[None, None]
 
 
-class Decoder(nnx.Module):
+class Decoder(_Model):
   """Causal LM: embeddings (+ posenc.embed) -> pre-LN blocks -> final norm -> LM head."""
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
@@ -322,48 +350,28 @@ class Decoder(nnx.Module):
       else _linear(cfg, cfg.emb_dim, cfg.vocab_size, ("embed", "vocab"), rngs, use_bias=False)
     )
 
-  def __call__(self, tokens_BL, positions_BL, **kwargs):
-    """Float32 next-token logits [B, L, V]; arguments as `hidden`."""
-    return self.logits(self.hidden(tokens_BL, positions_BL, **kwargs))
+  def _embed(self, tokens_BL, positions_BL, token_type_ids_BL, key):
+    del token_type_ids_BL  # refused by _check_inputs: decoders have no token types
+    x_BLD = self._token_embeddings(tokens_BL, positions_BL)
+    return _dropout(x_BLD, self.cfg.dropout_rate, key)
 
-  def hidden(
-    self,
-    tokens_BL,
-    positions_BL,
-    *,
-    segment_ids_BL=None,
-    token_type_ids_BL=None,
-    deterministic: bool = True,
-    rngs: nnx.Rngs | None = None,
-  ):
-    """Final hidden states [B, L, D] (after the final norm), compute dtype; args as Encoder."""
-    cfg = self.cfg
-    _check_inputs(tokens_BL, positions_BL, segment_ids_BL, token_type_ids_BL, cfg)
-    key = _dropout_key(cfg, deterministic, rngs)
-    x_BLD = self.embed(tokens_BL) * self.embed_multiplier
-    x_BLD = self.posenc.embed(x_BLD, positions_BL).astype(DTYPES[cfg.dtype])
-    x_BLD = _dropout(x_BLD, cfg.dropout_rate, fold(key, 0))
-    x_BLD = _run_layers(self, x_BLD, positions_BL, segment_ids_BL, key)
-    return seqwise(lambda _, x: self.final_norm(x), x_BLD, block=cfg.attention_block)
+  def _final(self, x_BLD):
+    return seqwise(lambda _, x: self.final_norm(x), x_BLD, block=self.cfg.attention_block)
 
   def init_caches(self, batch: int, max_len: int) -> list:
     """Empty decoding caches of every layer for sequences of up to `max_len` tokens."""
     return [layer.attn.init_cache(batch, max_len) for layer in self.layers]
 
   def decode(self, tokens_BL, positions_BL, caches, rotary_state):
-    """Cached forward pass of L new tokens: (float32 logits [B, L, V], updated caches).
+    """The forward pass of L new tokens over the caches: (float32 logits [B, L, V], caches).
 
-    Positions run 0, 1, 2, ... in every row and L > 1 is the prefill of empty caches
-    (`roformer.generate`); `rotary_state` is `posenc.prepare` of the whole generation.
+    The same path as `hidden` (no dropout), with every layer's cache (`init_caches`). Positions
+    run 0, 1, 2, ... in every row and L > 1 is the prefill of empty caches (`roformer.generate`);
+    `rotary_state` is `posenc.prepare` of the whole generation.
     """
-    cfg = self.cfg
-    x_BLD = self.embed(tokens_BL) * self.embed_multiplier
-    x_BLD = self.posenc.embed(x_BLD, positions_BL).astype(DTYPES[cfg.dtype])
-    new_caches = []
-    for layer, cache in zip(self.layers, caches, strict=True):
-      x_BLD, cache = layer.decode(x_BLD, positions_BL, self.posenc, cache, rotary_state)
-      new_caches.append(cache)
-    return self.logits(self.final_norm(x_BLD)), new_caches
+    x_BLD = self._embed(tokens_BL, positions_BL, None, None)
+    x_BLD, caches = _run_layers(self, x_BLD, positions_BL, rotary_state, caches=caches)
+    return self.logits(self._final(x_BLD)), caches
 
   def logits(self, h_BLD):
     """LM head: hidden [B, L, D] -> float32 logits [B, L, V]."""
@@ -402,40 +410,48 @@ def _make_layers(cfg: ModelConfig, *, causal: bool, pre_norm: bool, rngs: nnx.Rn
   return stacked(rngs)
 
 
-def _run_layers(model, x_BLD, positions_BL, segment_ids_BL, key):
+def _run_layers(model, x_BLD, positions_BL, rotary_state, *, segment_ids_BL=None, key=None,
+                caches=None):  # fmt: skip
   """Runs the blocks in order (a Python loop, or lax.scan over stacked ones), with remat.
 
-  One rotary state serves the whole pass, prepared from all its positions (`PosEnc.prepare`).
+  One rotary state (`PosEnc.prepare`) serves every layer of the pass. With `caches` (one per
+  layer, `Decoder.init_caches`) each block reads and writes its own; returns (x, caches).
   """
   cfg, posenc = model.cfg, model.posenc
-  rotary_state = posenc.prepare(positions_BL)
   policy = REMAT_POLICIES[cfg.remat]
 
-  def run(graphdef, state, x_BLD, i):
+  def run(graphdef, state, x_BLD, i, cache):
     layer = nnx.merge(graphdef, state)
     return layer(
       x_BLD,
       positions_BL,
       posenc,
+      cache=cache,
       segment_ids_BL=segment_ids_BL,
-      dropout_key=fold(key, i + 1),
+      dropout_key=fold(key, _FIRST_LAYER + i),
       rotary_state=rotary_state,
     )
 
   if policy is not None:
     run = jax.checkpoint(run, policy=policy, static_argnums=(0,))
   if not cfg.scan_layers:
+    new_caches = []
     for i, layer in enumerate(model.layers):
-      x_BLD = run(*nnx.split(layer), x_BLD, i)
-    return x_BLD
+      x_BLD, cache = run(*nnx.split(layer), x_BLD, i, None if caches is None else caches[i])
+      new_caches.append(cache)
+    return x_BLD, None if caches is None else new_caches
+  if caches is not None:
+    raise ValueError(
+      "model.scan_layers=True stacks the layers into one block, which has no per-layer caches"
+    )
   graphdef, state = nnx.split(model.layers)
 
   def body(x_BLD, state_and_index):
     state, i = state_and_index
-    return run(graphdef, state, x_BLD, i), None
+    return run(graphdef, state, x_BLD, i, None)[0], None
 
   x_BLD, _ = jax.lax.scan(body, x_BLD, (state, jnp.arange(cfg.num_layers)))
-  return x_BLD
+  return x_BLD, None
 
 
 # ---- Blocks ----
@@ -477,36 +493,34 @@ class Block(nnx.Module):
     )
 
   def __call__(
-    self, x_BLD, pos_BL, posenc, *, segment_ids_BL=None, dropout_key=None, rotary_state=None
-  ):
-    """x [B, L, D] at positions [B, L] -> [B, L, D]; `dropout_key` None = no dropout.
+    self, x_BLD, pos_BL, posenc, *, cache=None, segment_ids_BL=None, dropout_key=None,
+    rotary_state=None,
+  ):  # fmt: skip
+    """x [B, L, D] at positions [B, L] -> ([B, L, D], cache); `dropout_key` None = no dropout.
 
-    `rotary_state` is `posenc.prepare` of the whole pass (None: prepared from `pos_BL`); a layer
-    with an encoding of its own (`self.posenc`) uses that instead of the model's `posenc`.
+    `cache` is this layer's attention cache during generation (None otherwise; see the
+    attention kind's `__call__`). `rotary_state` is `posenc.prepare` of the whole pass (None:
+    prepared from `pos_BL`); a layer with an encoding of its own (`self.posenc`) uses that
+    instead of the model's `posenc`.
     """
-    o_BLHK = self.attn.attend(
-      *self.attn.qkv(self.attn_norm(x_BLD) if self.pre_norm else x_BLD),
+    o_BLHK, cache = self.attn(
+      self.attn_norm(x_BLD) if self.pre_norm else x_BLD,
       pos_BL,
       posenc if self.posenc is None else self.posenc,
+      cache=cache,
       segment_ids_BL=segment_ids_BL,
-      dropout_key=fold(dropout_key, 0),
+      dropout_key=fold(dropout_key, _ATTN),
       rotary_state=rotary_state,
     )
-    return seqwise(self._out_and_mlp, o_BLHK, x_BLD, block=self.seq_block, key=dropout_key)
-
-  def decode(self, x_BLD, pos_BL, posenc, cache, rotary_state):
-    """Cached step over L new tokens (see `Decoder.decode`): ([B, L, D], updated cache)."""
-    h_BLD = self.attn_norm(x_BLD) if self.pre_norm else x_BLD
-    posenc = posenc if self.posenc is None else self.posenc
-    o_BLHK, cache = self.attn.decode(h_BLD, pos_BL, posenc, cache, rotary_state=rotary_state)
-    return self._out_and_mlp(None, o_BLHK, x_BLD), cache
+    x_BLD = seqwise(self._out_and_mlp, o_BLHK, x_BLD, block=self.seq_block, key=dropout_key)
+    return x_BLD, cache
 
   def _out_and_mlp(self, key, o_BLHK, x_BLD):
-    x_BLD = x_BLD + _dropout(self.attn.out(o_BLHK), self.dropout_rate, fold(key, 1))
+    x_BLD = x_BLD + _dropout(self.attn.out(o_BLHK), self.dropout_rate, fold(key, _OUT))
     if not self.pre_norm:
       x_BLD = self.attn_norm(x_BLD)
     h_BLD = self.mlp_norm(x_BLD) if self.pre_norm else x_BLD
-    x_BLD = x_BLD + _dropout(self.mlp(h_BLD), self.dropout_rate, fold(key, 2))
+    x_BLD = x_BLD + _dropout(self.mlp(h_BLD), self.dropout_rate, fold(key, _MLP))
     return x_BLD if self.pre_norm else self.mlp_norm(x_BLD)
 
 

@@ -205,7 +205,7 @@ def test_encoder_hidden_matches_post_ln_bert_formula():
     eps, layer = cfg.norm_eps, model.layers[0]
     e = model.embed.embedding[...][tokens] + model.token_type_embed.embedding[...][types]
     x = _dense(_layer_norm(e, model.embed_norm, eps), model.embed_project)
-    h = _layer_norm(x + layer.attn(x, pos, model.posenc), layer.attn_norm, eps)
+    h = _layer_norm(x + layer.attn.out(layer.attn(x, pos, model.posenc)[0]), layer.attn_norm, eps)
     mlp = _dense(jax.nn.gelu(_dense(h, layer.mlp.up), approximate=False), layer.mlp.down)
     return model.hidden(tokens, pos, token_type_ids_BL=types), _layer_norm(
       h + mlp, layer.mlp_norm, eps
@@ -224,7 +224,8 @@ def test_decoder_hidden_matches_pre_ln_formula():
   def hidden_and_formula(model):
     eps, layer = cfg.norm_eps, model.layers[0]
     x = model.embed.embedding[...][tokens]
-    h = x + layer.attn(_rms_norm(x, layer.attn_norm, eps), pos, model.posenc)
+    o_BLHK, _ = layer.attn(_rms_norm(x, layer.attn_norm, eps), pos, model.posenc)
+    h = x + layer.attn.out(o_BLHK)
     g = _rms_norm(h, layer.mlp_norm, eps)
     mlp = _dense(jax.nn.silu(_dense(g, layer.mlp.gate)) * _dense(g, layer.mlp.up), layer.mlp.down)
     return model.hidden(tokens, pos), _rms_norm(h + mlp, model.final_norm, eps)

@@ -127,7 +127,7 @@ def chunked_attention(
   normalised probabilities.
 
   Windowed self-attention without global tokens visits only the key blocks inside the window
-  (`roformer.attention_window`): O(L * w) time instead of a scan over every key block.
+  (`roformer.nn.attention.banded`): O(L * w) time instead of a scan over every key block.
 
   Args and returns: as `dense_attention`; `block` is the query and key block size. A
   `content_bias_fn` is refused: its cumulative sums run across key blocks.

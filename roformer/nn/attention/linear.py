@@ -158,14 +158,30 @@ class LinearAttention(Attention):
     group = lambda x: x.reshape(B, L, G, H // G, K)  # noqa: E731
     return group(qr_BLHK), group(qf_BLHK), kr_BLGK, kf_BLGK
 
-  def attend(
-    self, q_BLHK, k_BLGK, v_BLGK, pos_BL, posenc, *, segment_ids_BL=None, dropout_key=None,
-    rotary_state=None,
+  def __call__(
+    self, x_BLD, pos_BL, posenc, *, cache: LinearState | None = None, segment_ids_BL=None,
+    dropout_key=None, rotary_state=None,
   ):  # fmt: skip
-    """Eq. 19 over the sequence -> [B, L, H, K]; arguments as `Attention.attend`."""
+    """Eq. 19 -> (heads [B, L, H, K], state); arguments as `Attention.__call__`.
+
+    Without a cache, the sums run over the whole sequence. With one, L > 1 is the prefill of an
+    empty state (the causal sums over the prompt, whose final (S, z) is the new state) and L = 1
+    one recurrent step.
+    """
     del dropout_key  # no attention probabilities to drop
-    o_BLHK, _ = self._attend(q_BLHK, k_BLGK, v_BLGK, pos_BL, posenc, segment_ids_BL, rotary_state)
-    return o_BLHK
+    q_BLHK, k_BLGK, v_BLGK = self.qkv(x_BLD)
+    if cache is None or q_BLHK.shape[1] > 1:
+      o_BLHK, state = self._attend(
+        q_BLHK, k_BLGK, v_BLGK, pos_BL, posenc, segment_ids_BL, rotary_state
+      )
+      return o_BLHK, None if cache is None else state
+    qr, qf, kr_B1GK, kf_B1GK = self._features(q_BLHK, k_BLGK, pos_BL, posenc, rotary_state)
+    s_BGKV = cache.s_BGKV + jnp.einsum("bgk,bgv->bgkv", kr_B1GK[:, 0], v_BLGK[:, 0])
+    z_BGK = cache.z_BGK + kf_B1GK[:, 0]
+    num = jnp.einsum("blgrk,bgkv->blgrv", qr, s_BGKV)
+    den = jnp.einsum("blgrk,bgk->blgr", qf, z_BGK)
+    o_BLHK = (num / den[..., None]).reshape(q_BLHK.shape).astype(q_BLHK.dtype)
+    return o_BLHK, LinearState(s_BGKV, z_BGK)
 
   def _attend(self, q_BLHK, k_BLGK, v_BLGK, pos_BL, posenc, seg_BL, rotary_state):
     B, L, H, K = q_BLHK.shape
@@ -187,16 +203,3 @@ class LinearAttention(Attention):
     del max_len
     _, G, K = self.key.kernel.shape
     return LinearState(jnp.zeros((batch, G, K, K), jnp.float32), jnp.zeros((batch, G, K)))
-
-  def decode(self, x_BLD, pos_BL, posenc, cache: LinearState, *, rotary_state):
-    """Prefill (L > 1, empty state) or one recurrent step; returns (o [B, L, H, K], state)."""
-    q_BLHK, k_BLGK, v_BLGK = self.qkv(x_BLD)
-    if q_BLHK.shape[1] > 1:
-      return self._attend(q_BLHK, k_BLGK, v_BLGK, pos_BL, posenc, None, rotary_state)
-    qr, qf, kr_B1GK, kf_B1GK = self._features(q_BLHK, k_BLGK, pos_BL, posenc, rotary_state)
-    s_BGKV = cache.s_BGKV + jnp.einsum("bgk,bgv->bgkv", kr_B1GK[:, 0], v_BLGK[:, 0])
-    z_BGK = cache.z_BGK + kf_B1GK[:, 0]
-    num = jnp.einsum("blgrk,bgkv->blgrv", qr, s_BGKV)
-    den = jnp.einsum("blgrk,bgk->blgr", qf, z_BGK)
-    o_BLHK = (num / den[..., None]).reshape(q_BLHK.shape).astype(q_BLHK.dtype)
-    return o_BLHK, LinearState(s_BGKV, z_BGK)

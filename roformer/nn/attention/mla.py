@@ -138,18 +138,6 @@ class MLAttention(nnx.Module):
     )  # fmt: skip
     return o_BLHK[..., :N]
 
-  def attend(
-    self, q_BLHK, c_BLP, kr_BL1R, pos_BL, posenc, *, segment_ids_BL=None, dropout_key=None,
-    rotary_state=None,
-  ):  # fmt: skip
-    """Full-sequence attention -> [B, L, H, N]; arguments as `Attention.attend`."""
-    q_BLHK, kr_BL1R = self._rotate(q_BLHK, kr_BL1R, pos_BL, pos_BL, posenc, rotary_state)
-    return self._attend_latent(
-      KERNELS[self.impl], q_BLHK, c_BLP, kr_BL1R, pos_BL, pos_BL, qseg_BL=segment_ids_BL,
-      kseg_BS=segment_ids_BL, bias_fn=posenc.bias, dropout_rate=self.dropout_rate,
-      dropout_key=dropout_key,
-    )  # fmt: skip
-
   def init_cache(self, batch: int, max_len: int) -> MLACache:
     C = kv_cache.capacity(self.window, max_len)
     P = self.kv_norm.num_features
@@ -157,23 +145,29 @@ class MLAttention(nnx.Module):
       jnp.zeros((batch, C, P), self.dtype), jnp.zeros((batch, C, self.rope_dim), self.dtype)
     )
 
-  def decode(self, x_BLD, pos_BL, posenc, cache: MLACache, *, rotary_state):
-    """As `SoftmaxAttention.decode`, caching only the latent and the rotated rotary key."""
+  def __call__(
+    self, x_BLD, pos_BL, posenc, *, cache: MLACache | None = None, segment_ids_BL=None,
+    dropout_key=None, rotary_state=None,
+  ):  # fmt: skip
+    """-> (heads [B, L, H, N], cache); as `Attention.__call__`, caching only the latent and the
+    rotated rotary key."""
     q_BLHK, c_BLP, kr_BL1R = self.qkv(x_BLD)
     q_BLHK, kr_BL1R = self._rotate(q_BLHK, kr_BL1R, pos_BL, pos_BL, posenc, rotary_state)
-    cache = MLACache(
-      kv_cache.write(cache.c_BCP, c_BLP, pos_BL),
-      kv_cache.write(cache.kr_BCR, kr_BL1R[:, :, 0], pos_BL),
-    )
-    if q_BLHK.shape[1] > 1:
-      kernel = KERNELS[self.impl]
-      o_BLHK = self._attend_latent(
-        kernel, q_BLHK, c_BLP, kr_BL1R, pos_BL, pos_BL, bias_fn=posenc.bias
+    if cache is not None:
+      cache = MLACache(
+        kv_cache.write(cache.c_BCP, c_BLP, pos_BL),
+        kv_cache.write(cache.kr_BCR, kr_BL1R[:, :, 0], pos_BL),
       )
-      return o_BLHK, cache
-    kpos_BC, kseg_BC = kv_cache.cache_keys(cache.c_BCP.shape[1], pos_BL)
+      if q_BLHK.shape[1] == 1:
+        kpos_BC, kseg_BC = kv_cache.cache_keys(cache.c_BCP.shape[1], pos_BL)
+        o_BLHK = self._attend_latent(
+          dense_attention, q_BLHK, cache.c_BCP, cache.kr_BCR[:, :, None], pos_BL, kpos_BC,
+          qseg_BL=jnp.zeros_like(pos_BL), kseg_BS=kseg_BC, bias_fn=posenc.bias,
+        )  # fmt: skip
+        return o_BLHK, cache
     o_BLHK = self._attend_latent(
-      dense_attention, q_BLHK, cache.c_BCP, cache.kr_BCR[:, :, None], pos_BL, kpos_BC,
-      qseg_BL=jnp.zeros_like(pos_BL), kseg_BS=kseg_BC, bias_fn=posenc.bias,
+      KERNELS[self.impl], q_BLHK, c_BLP, kr_BL1R, pos_BL, pos_BL, qseg_BL=segment_ids_BL,
+      kseg_BS=segment_ids_BL, bias_fn=posenc.bias, dropout_rate=self.dropout_rate,
+      dropout_key=dropout_key,
     )  # fmt: skip
     return o_BLHK, cache

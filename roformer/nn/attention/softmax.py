@@ -1,6 +1,10 @@
-"""The softmax attention layer: q/k/v/out projections (MHA/GQA/MQA) over explicit positions.
+"""The softmax attention layer: q/k/v/out projections (MHA/GQA/MQA) over explicit positions,
+with a KV cache for generation.
 
-Dimension legend as kernels.py.
+The cache holds `num_kv_heads` heads (GQA/MQA caches are H/G times smaller) and, for a sliding
+window w shorter than the generated length, w slots used as a ring buffer (kv_cache.py).
+
+Dimension legend as kernels.py; C cache slots.
 """
 
 from __future__ import annotations
@@ -11,7 +15,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from roformer.nn.attention.kernels import KERNELS
+from roformer.nn.attention import kv_cache
+from roformer.nn.attention.kernels import KERNELS, dense_attention
 
 if TYPE_CHECKING:
   from roformer.posenc import PosEnc
@@ -60,6 +65,7 @@ class Attention(nnx.Module):
         f"model.num_heads={num_heads} is not divisible by model.num_kv_heads={num_kv_heads}"
       )
     D, H, G, K = emb_dim, num_heads, num_kv_heads, head_dim
+    self.dtype = jnp.dtype(dtype)  # of the decoding cache
     self.causal = causal
     self.dropout_rate = dropout_rate
     self.impl = impl
@@ -88,37 +94,84 @@ class Attention(nnx.Module):
       bias_init=nnx.with_partitioning(nnx.initializers.zeros, ("embed",)), **common,
     )  # fmt: skip
 
+  @classmethod
+  def from_config(cls, cfg, *, head_dim, num_kv_heads, causal, window, dtype, param_dtype, rngs):
+    return cls(
+      cfg.emb_dim, cfg.num_heads, head_dim, num_kv_heads=num_kv_heads, causal=causal,
+      use_bias=cfg.use_bias, dropout_rate=cfg.dropout_rate, impl=cfg.attention_impl,
+      block=cfg.attention_block, window=window, window_kind=cfg.attention_window_kind,
+      global_tokens=cfg.global_tokens, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+    )  # fmt: skip
+
+  @classmethod
+  def check_config(cls, cfg, posenc_cls) -> None:
+    del cfg, posenc_cls  # softmax attention honours every encoding and window
+
+  @classmethod
+  def rotary_head_dim(cls, cfg, head_dim: int) -> int:
+    del cfg
+    return head_dim
+
   def qkv(self, x_BLD):
     """Projections (position-wise): x [B, L, D] -> q [B, L, H, K], k and v [B, L, G, K]."""
     return self.query(x_BLD), self.key(x_BLD), self.value(x_BLD)
 
-  def attend(
+  def init_cache(self, batch: int, max_len: int) -> kv_cache.KVCache:
+    """An empty cache for generating up to `max_len` tokens (window slots when shorter)."""
+    _, G, K = self.key.kernel.shape
+    shape = (batch, kv_cache.capacity(self.window, max_len), G, K)
+    return kv_cache.KVCache(jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype))
+
+  def __call__(
     self,
-    q_BLHK,
-    k_BLGK,
-    v_BLGK,
+    x_BLD,
     pos_BL,
     posenc: PosEnc,
     *,
+    cache: kv_cache.KVCache | None = None,
     segment_ids_BL=None,
     dropout_key: jax.Array | None = None,
     rotary_state=None,
   ):
-    """Rotates q and k with `posenc`, then runs the kernel with `posenc.bias`.
+    """Self-attention of x [B, L, D] at positions [B, L]: (heads [B, L, H, K], cache).
+
+    The heads are returned before the output projection `out`, which the block runs over
+    sequence blocks together with the MLP. q and k are rotated by `posenc`, whose `bias` and
+    `content_bias` the kernel adds to the logits.
+
+    Without a cache this is the full forward pass (training, evaluation). With one it is a
+    generation step (`roformer.generate`): the new keys and values are written to it (keys
+    rotated, with the generation's fixed `rotary_state`, so keys written at different steps stay
+    consistent). L > 1 is the prefill of an empty cache, which is the full forward pass over the
+    prompt; L = 1 is a decode step, whose query attends to every filled slot.
 
     Args:
-      q_BLHK, k_BLGK, v_BLGK: projections from `qkv`.
+      x_BLD: the block's (normed) input.
       pos_BL: int positions.
-      posenc: the model's positional encoding (its `rotate` and `bias` hooks are used).
+      posenc: the model's positional encoding (its `rotate` and bias hooks are used).
+      cache: this layer's `init_cache`, or None for a full forward pass.
       segment_ids_BL: int segment ids; None means one segment.
       dropout_key: key for attention-probability dropout; None disables it.
       rotary_state: `posenc.prepare` of the forward pass; None prepares it from `pos_BL`.
 
     Returns:
-      [B, L, H, K] in the dtype of q.
+      ([B, L, H, K] in the compute dtype, the updated cache or None).
     """
+    q_BLHK, k_BLGK, v_BLGK = self.qkv(x_BLD)
     q_BLHK, k_BLGK = posenc.rotate(q_BLHK, k_BLGK, pos_BL, pos_BL, rotary_state)
-    return KERNELS[self.impl](
+    if cache is not None:
+      cache = kv_cache.KVCache(
+        kv_cache.write(cache.k_BCGK, k_BLGK, pos_BL),
+        kv_cache.write(cache.v_BCGK, v_BLGK, pos_BL),
+      )
+      if q_BLHK.shape[1] == 1:
+        kpos_BC, kseg_BC = kv_cache.cache_keys(cache.k_BCGK.shape[1], pos_BL)
+        o_BLHK = dense_attention(
+          q_BLHK, cache.k_BCGK, cache.v_BCGK, pos_BL, kpos_BC, qseg_BL=jnp.zeros_like(pos_BL),
+          kseg_BS=kseg_BC, causal=True, window=self.window, bias_fn=posenc.bias,
+        )  # fmt: skip
+        return o_BLHK, cache
+    o_BLHK = KERNELS[self.impl](
       q_BLHK,
       k_BLGK,
       v_BLGK,
@@ -136,18 +189,4 @@ class Attention(nnx.Module):
       block=self.block,
       global_tokens=self.global_tokens,
     )
-
-  def __call__(
-    self,
-    x_BLD,
-    pos_BL,
-    posenc: PosEnc,
-    *,
-    segment_ids_BL=None,
-    dropout_key: jax.Array | None = None,
-  ):
-    """Self-attention over x [B, L, D] at positions pos [B, L] -> [B, L, D]."""
-    o_BLHK = self.attend(
-      *self.qkv(x_BLD), pos_BL, posenc, segment_ids_BL=segment_ids_BL, dropout_key=dropout_key
-    )
-    return self.out(o_BLHK)
+    return o_BLHK, cache

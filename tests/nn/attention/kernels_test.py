@@ -154,7 +154,14 @@ def _layer(num_kv_heads, impl="dense", seed=0, dtype=jnp.float32):
 
 @jax.jit
 def _apply(layers, x, pos, posenc):
-  return [layer(x, pos, posenc) for layer in layers]
+  return [_attention_output(layer, x, pos, posenc) for layer in layers]
+
+
+def _attention_output(layer, x, pos, posenc, **kwargs):
+  """The layer's heads through its output projection: [B, L, D]."""
+  o_BLHK, cache = layer(x, pos, posenc, **kwargs)
+  assert cache is None  # no cache in, none out
+  return layer.out(o_BLHK)
 
 
 def test_gqa_equals_mha_with_key_value_heads_repeated_per_group():
@@ -199,7 +206,7 @@ def test_chunked_gradients_match_dense(kind):
   @jax.jit
   def grads(layers, posenc, x):
     def loss(layer, posenc, x):
-      y = layer(x, pos, posenc, segment_ids_BL=seg)
+      y = _attention_output(layer, x, pos, posenc, segment_ids_BL=seg)
       return jnp.sum(y * jnp.sin(jnp.arange(y.size).reshape(y.shape)))
 
     return [jax.grad(loss, argnums=(0, 1, 2))(layer, posenc, x) for layer in layers]

@@ -55,13 +55,15 @@ def _direct(q, k, v, pos, seg, posenc, causal, fmap):
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("fmap", ["elu", "favor"])
 def test_blockwise_linear_attention_equals_direct_evaluation(causal, fmap):
-  q, k, v = _normal((B, L, H, K), 0), _normal((B, L, G, K), 1), _normal((B, L, G, K), 2)
+  x = _normal((B, L, 16), 0)
   pos = jnp.arange(L)[None, :] + jnp.array([[0], [40]])
   # Two packed documents in row 0 (split inside a chunk), one in row 1.
   seg = (jnp.arange(L)[None, :] >= jnp.array([[6], [L]])).astype(jnp.int32)
   posenc = _rope(causal)
   layer = _layer(causal, fmap)
-  got = layer.attend(q, k, v, pos, posenc, segment_ids_BL=seg)
+  got, state = layer(x, pos, posenc, segment_ids_BL=seg)
+  assert state is None  # no cache in, none out
+  q, k, v = layer.qkv(x)
   want = _direct(q, k, v, pos, seg, posenc, causal, fmap)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
