@@ -16,17 +16,23 @@ from configs import default
 
 def get_config():
   config = default.get_config()
+  config.model.kind = "decoder"
   config.model.num_layers = 16
   config.model.emb_dim = 1024
+  config.model.num_heads = 8
   config.model.mlp_dim = 4096
   config.model.dropout_rate = 0.3
   config.model.embed_scale = "sqrt_d"
+  config.model.attention_impl = "auto"
   config.posenc.kind = "alibi"
+  config.posenc.max_len = 512
   config.data.source = "hub"
   config.data.hub_name = "Salesforce/wikitext"
   config.data.hub_config = "wikitext-103-raw-v1"
   config.data.tokenizer = "bpe"
   config.data.vocab_size = 32768
+  config.data.seq_len = 512
+  config.optim.learning_rate = 3e-4
   config.optim.warmup_steps = 16_000
   config.optim.weight_decay = 0.0
   config.optim.b2 = 0.98
@@ -34,4 +40,5 @@ def get_config():
   config.train.num_train_steps = 286_000
   config.train.eval_every_steps = 10_000
   config.train.checkpoint_every_steps = 5_000
+  config.mesh.data = -1
   return config
