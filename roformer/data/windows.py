@@ -192,7 +192,10 @@ def _span_windows(
   first_W = span_start + scored * np.arange(-(-num_targets // scored), dtype=np.int64)
   end_W = np.minimum(first_W + scored, span_end)  # each window's targets end here (exclusive)
   if centred and protocol == "sliding":
-    start_W = first_W - (length - scored) // 2
+    # A last window with fewer than `stride` targets left would reach past the kept right
+    # context (and out of the masked region): it moves back to end there, its targets still
+    # inside it, with more context on the left than centring gives.
+    start_W = np.minimum(first_W - (length - scored) // 2, span_end + after - length)
   else:
     start_W = end_W - length
   target_indices_WL = start_W[:, None] + np.arange(length, dtype=np.int64)

@@ -150,3 +150,29 @@ def test_eval_windows_encoder_masks_inputs_only_where_scored_targets_differ():
   assert not ((w.weights > 0) & (w.targets == data.ByteTokenizer.eos_id)).any()
   # Targets are the window's own tokens, at consecutive positions of the stream.
   np.testing.assert_array_equal(w.targets[0], tokens[64:96])
+
+
+@pytest.mark.parametrize("model_kind", ["decoder", "encoder"])
+@pytest.mark.parametrize(("length", "stride"), [(64, 21), (64, 63), (48, 17), (64, 1)])
+def test_eval_windows_strides_that_do_not_divide_the_span_stay_inside_the_split(
+  model_kind, length, stride
+):
+  # 64 targets in strides of 21 leave a last window with 1 target: centred on it, an encoder's
+  # window would read past the right context kept after the span.
+  tokens = _text_tokens(n=64 + 64 + 32)  # prefix, span, the right context and nothing more
+  w = data.eval_windows(
+    tokens,
+    model_kind=model_kind,
+    length=length,
+    protocol="sliding",
+    stride=stride,
+    max_tokens=100,
+    max_length=64,
+    tokenizer=data.ByteTokenizer(),
+  )
+  assert w.target_indices.max() < len(tokens)
+  scored = np.sort(w.target_indices[w.weights > 0])
+  assert len(scored) == len(np.unique(scored))  # each target scored once
+  assert scored.min() >= 64 and scored.max() < 128  # inside the span
+  if model_kind == "decoder":
+    np.testing.assert_array_equal(scored, np.arange(64, 128))
