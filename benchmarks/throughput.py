@@ -8,9 +8,19 @@ paper) are reported two ways: executed (the encoder's output layer at the step's
 positions per row) and nominal (at every position); XLA's own count of the compiled step is
 printed too. MFU divides achieved FLOP/s by a matmul peak measured in the same process.
 
-With --compare_hf (or --compare-hf), Hugging Face RoFormerForMaskedLM (encoder) or
-RoFormerForCausalLM (decoder) of the same shape trains with torch AdamW in the same process; the
-two alternate repeat by repeat and the ratio of the medians is printed. With
+With --compare_hf (or --compare-hf), the Hugging Face model a user would otherwise train, of the
+same shape, trains with torch AdamW (the same hyperparameters) on the same batch in the same
+process; the two alternate repeat by repeat and the ratio of the medians is printed, with the HF
+class in the table:
+- encoder (MLM): RoFormerForMaskedLM;
+- Llama-style decoder (model.activation=swiglu, model.norm=rmsnorm; biases and tied embeddings
+  as the config says): LlamaForCausalLM (SDPA attention, rope_theta = posenc.max_wavelength);
+- the default decoder block (gelu, layernorm, biases): GPTNeoXForCausalLM (sequential residual,
+  exact GELU, SDPA, rotary_pct = posenc.rope_fraction).
+Both HF decoders always run RoPE in half layout: for another posenc.kind (or an interleaved,
+truncated or scaled RoPE) the table says what differs. A decoder that neither family reproduces
+(e.g. swiglu with layernorm, linear or MLA attention, a sliding window) is refused, naming the
+field. With
 --config.model.dtype=bfloat16 the PyTorch forward runs under torch.autocast("cpu", bfloat16), the
 counterpart of our bfloat16 compute with float32 weights. Both use every core, so run it on an
 otherwise idle machine.
@@ -19,9 +29,19 @@ otherwise idle machine.
     --config.model.num_layers=4 --config.model.emb_dim=256 --config.model.num_heads=4 \
     --config.model.mlp_dim=1024 --config.model.dropout_rate=0 --config.data.seq_len=256 \
     --config.train.global_batch_size=16 --compare_hf [--json=throughput.json]
+  # Llama-style decoder against LlamaForCausalLM: 4 x 256, 4 heads, SwiGLU 704, RMSNorm, no
+  # biases, untied head, RoPE half layout, bytes vocabulary (261), batch 8 x 512, float32
+  JAX_PLATFORMS=cpu python benchmarks/throughput.py --config=configs/lm.py \
+    --config.model.num_layers=4 --config.model.emb_dim=256 --config.model.num_heads=4 \
+    --config.model.mlp_dim=704 --config.model.activation=swiglu --config.model.norm=rmsnorm \
+    --config.model.use_bias=False --config.model.tie_embeddings=False \
+    --config.posenc.kind=rope --config.posenc.rope_layout=half --config.data.tokenizer=bytes \
+    --config.data.seq_len=512 --config.train.global_batch_size=8 --config.model.dtype=float32 \
+    --config.model.dropout_rate=0 --compare_hf
   JAX_PLATFORMS=cpu python benchmarks/throughput.py --smoke   # seconds; what the test runs
 """
 
+import dataclasses
 import json
 import os
 import statistics
@@ -42,7 +62,9 @@ flags.DEFINE_integer("steps", 5, "Timed train steps per repeat.")
 flags.DEFINE_integer("repeats", 5, "Alternating repeats; the median is reported.")
 flags.DEFINE_integer("warmup", 2, "Untimed steps after compiling.")
 flags.DEFINE_integer("peak_size", 2048, "Side of the square matmul that measures the peak.")
-flags.DEFINE_bool("compare_hf", False, "Also time Hugging Face RoFormer in PyTorch.")
+flags.DEFINE_bool(
+  "compare_hf", False, "Also time the Hugging Face PyTorch model of the same shape (see above)."
+)
 flags.DEFINE_bool("smoke", False, "Tiny model and a few steps (a test runs this).")
 flags.DEFINE_string("json", "", "Write the results to this JSON file.")
 FLAGS = flags.FLAGS
@@ -111,36 +133,189 @@ def measure_peak(size: int, dtype: str) -> float:
   return 2.0 * size**3 / statistics.median(times)
 
 
-class HfTrainer:
-  """Hugging Face RoFormer of the same shape, trained with torch AdamW on the same batch."""
+# ---- Hugging Face counterparts (PyTorch, --compare_hf) ----
 
-  def __init__(self, run_config):
+
+class NoCounterpartError(ValueError):
+  """No Hugging Face model computes what the config's model does (the message names the field)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Counterpart:
+  """The Hugging Face model a user would otherwise train for this config."""
+
+  name: str  # the transformers class, e.g. "LlamaForCausalLM"
+  config: object  # its transformers config, of the same shape
+  note: str = ""  # what the two do not share ("" = the same computation)
+
+
+def _needs(m, **fields) -> list[str]:
+  """`model.FIELD=wanted (got value)` for every field of `m` that differs from `fields`."""
+  return [
+    f"model.{name}={wanted!r} (got {getattr(m, name)!r})"
+    for name, wanted in fields.items()
+    if getattr(m, name) != wanted
+  ]
+
+
+def _llama_mismatches(m) -> list[str]:
+  needs = _needs(m, activation="swiglu", norm="rmsnorm")
+  if m.dropout_rate:  # Llama drops attention probabilities only, not the residual branches
+    needs += _needs(m, dropout_rate=0.0)
+  return needs
+
+
+def _neox_mismatches(m) -> list[str]:
+  from roformer.nn import model as model_lib
+
+  needs = _needs(m, activation="gelu", norm="layernorm", use_bias=True)  # its MLP always has biases
+  if model_lib.resolve_num_kv_heads(m) != m.num_heads:  # no grouped-query attention
+    needs += _needs(m, num_kv_heads=0)
+  if model_lib.resolve_head_dim(m) * m.num_heads != m.emb_dim:  # head_dim is hidden / heads
+    needs += _needs(m, head_dim=0)
+  return needs
+
+
+def _rope(run_config, *, partial: bool) -> tuple[float, float, str]:
+  """(base, rotated fraction, note) of the HF model's RoPE, which is plain and in half layout.
+
+  A non-rotary encoding cannot be left out of Llama or GPT-NeoX (rotary_pct=0 is not allowed), so
+  the HF side then runs full RoPE and the note says so.
+  """
+  p = run_config.model.posenc
+  if p.kind != "rope":
+    return p.max_wavelength, 1.0, f"HF runs RoPE, ours posenc.kind={p.kind!r}"
+  fraction = p.rope_fraction if partial else 1.0
+  notes = []
+  if p.rope_layout != "half":
+    notes.append(f"ours posenc.rope_layout={p.rope_layout!r}, HF 'half' (same cost)")
+  if fraction != p.rope_fraction:
+    notes.append(f"HF rotates every dimension, ours posenc.rope_fraction={p.rope_fraction}")
+  if p.rope_truncate:
+    notes.append(f"HF plain RoPE, ours posenc.rope_truncate={p.rope_truncate}")
+  if p.scaling.kind != "none":
+    notes.append(f"HF unscaled RoPE, ours posenc.scaling.kind={p.scaling.kind!r}")
+  return p.max_wavelength, fraction, "; ".join(notes)
+
+
+def _roformer_config(run_config):
+  import transformers
+
+  m = run_config.model
+  return transformers.RoFormerConfig(
+    vocab_size=m.vocab_size,
+    embedding_size=m.embedding_size or m.emb_dim,
+    hidden_size=m.emb_dim,
+    num_hidden_layers=m.num_layers,
+    num_attention_heads=m.num_heads,
+    intermediate_size=m.mlp_dim,
+    hidden_act="gelu",
+    hidden_dropout_prob=m.dropout_rate,
+    attention_probs_dropout_prob=m.dropout_rate,
+    max_position_embeddings=run_config.data.seq_len,
+    type_vocab_size=max(m.type_vocab_size, 1),
+    layer_norm_eps=m.norm_eps,
+    tie_word_embeddings=m.tie_embeddings,
+  )
+
+
+def _llama_config(run_config):
+  import transformers
+
+  from roformer.nn import model as model_lib
+
+  m = run_config.model
+  base, _, note = _rope(run_config, partial=False)
+  config = transformers.LlamaConfig(
+    vocab_size=m.vocab_size,
+    hidden_size=m.emb_dim,
+    intermediate_size=m.mlp_dim,
+    num_hidden_layers=m.num_layers,
+    num_attention_heads=m.num_heads,
+    num_key_value_heads=model_lib.resolve_num_kv_heads(m),
+    head_dim=model_lib.resolve_head_dim(m),
+    hidden_act="silu",
+    max_position_embeddings=run_config.data.seq_len,
+    rms_norm_eps=m.norm_eps,
+    rope_theta=base,
+    attention_bias=m.use_bias,
+    mlp_bias=m.use_bias,
+    attention_dropout=0.0,
+    tie_word_embeddings=m.tie_embeddings,
+    attn_implementation="sdpa",
+  )
+  return config, note
+
+
+def _neox_config(run_config):
+  import transformers
+
+  m = run_config.model
+  base, fraction, note = _rope(run_config, partial=True)
+  config = transformers.GPTNeoXConfig(
+    vocab_size=m.vocab_size,
+    hidden_size=m.emb_dim,
+    intermediate_size=m.mlp_dim,
+    num_hidden_layers=m.num_layers,
+    num_attention_heads=m.num_heads,
+    hidden_act="gelu",  # exact (erf), as ours
+    rotary_pct=fraction,
+    rotary_emb_base=base,
+    max_position_embeddings=run_config.data.seq_len,
+    layer_norm_eps=m.norm_eps,
+    use_parallel_residual=False,  # sequential pre-LN blocks, as ours
+    attention_dropout=m.dropout_rate,
+    hidden_dropout=m.dropout_rate,
+    tie_word_embeddings=m.tie_embeddings,
+    attn_implementation="sdpa",
+  )
+  return config, note
+
+
+# Decoder families: (class, the config fields it needs, its transformers config).
+DECODERS = (
+  ("LlamaForCausalLM", _llama_mismatches, _llama_config),
+  ("GPTNeoXForCausalLM", _neox_mismatches, _neox_config),
+)
+
+
+def hf_counterpart(run_config) -> Counterpart:
+  """The Hugging Face model of the same shape: RoFormerForMaskedLM for encoders; for decoders
+  LlamaForCausalLM (SwiGLU, RMSNorm) or GPTNeoXForCausalLM (GELU, LayerNorm, biases).
+
+  Raises:
+    NoCounterpartError: a decoder that neither family reproduces, naming the fields.
+  """
+  m = run_config.model
+  if m.kind == "encoder":
+    return Counterpart("RoFormerForMaskedLM", _roformer_config(run_config))
+  common = _needs(m, attention="softmax", attention_window=0, attention_window_pattern="")
+  if common:
+    raise NoCounterpartError(f"no Hugging Face decoder of this shape: it needs {common[0]}")
+  needs = {}
+  for name, mismatches, make_config in DECODERS:
+    needs[name] = mismatches(m)
+    if not needs[name]:
+      return Counterpart(name, *make_config(run_config))
+  raise NoCounterpartError(
+    "no Hugging Face decoder of this shape: "
+    + "; ".join(f"{name} needs {', '.join(fields)}" for name, fields in needs.items())
+  )
+
+
+class TorchTrainer:
+  """A Hugging Face model trained with torch AdamW (the optim group's settings) on our batch."""
+
+  def __init__(self, run_config, counterpart: Counterpart):
     import numpy as np
     import torch
     import transformers
 
     m, o = run_config.model, run_config.optim
-    E = m.embedding_size or m.emb_dim
-    hf_config = transformers.RoFormerConfig(
-      vocab_size=m.vocab_size,
-      embedding_size=E,
-      hidden_size=m.emb_dim,
-      num_hidden_layers=m.num_layers,
-      num_attention_heads=m.num_heads,
-      intermediate_size=m.mlp_dim,
-      hidden_act="gelu",
-      hidden_dropout_prob=m.dropout_rate,
-      attention_probs_dropout_prob=m.dropout_rate,
-      max_position_embeddings=run_config.data.seq_len,
-      type_vocab_size=max(m.type_vocab_size, 1),
-      layer_norm_eps=m.norm_eps,
-      is_decoder=m.kind == "decoder",
-      tie_word_embeddings=m.tie_embeddings,
-    )
-    cls = transformers.RoFormerForMaskedLM
-    if m.kind == "decoder":
-      cls = transformers.RoFormerForCausalLM
-    self.model = cls(hf_config).train()
+    torch.manual_seed(run_config.train.seed)
+    self.name, self.note = counterpart.name, counterpart.note
+    model_cls = getattr(transformers, counterpart.name)
+    self.model = model_cls(counterpart.config).to(torch.float32).train()
     self.opt = torch.optim.AdamW(
       self.model.parameters(),
       lr=o.learning_rate,
@@ -190,8 +365,9 @@ def benchmark(run_config, *, steps, repeats, warmup, peak_size, compare_hf) -> d
   import jax
 
   tokens_per_step = run_config.train.global_batch_size * run_config.data.seq_len
+  counterpart = hf_counterpart(run_config) if compare_hf else None  # refuses before compiling
   ours = bench_step.JaxTrainer(run_config)
-  hf = HfTrainer(run_config) if compare_hf else None
+  hf = TorchTrainer(run_config, counterpart) if compare_hf else None
   ours.run(warmup)
   if hf is not None:
     hf.run(warmup)
@@ -227,6 +403,8 @@ def benchmark(run_config, *, steps, repeats, warmup, peak_size, compare_hf) -> d
     result["hf_tokens_per_sec_runs"] = [tokens_per_step * steps / s for s in hf_s]
     result["ratio_to_hf"] = result["tokens_per_sec"] / result["hf_tokens_per_sec"]
     result["hf_precision"] = "bfloat16 autocast" if hf.autocast else "float32"
+    result["hf_model"] = hf.name
+    result["hf_note"] = hf.note
   return result
 
 
@@ -245,7 +423,9 @@ def format_table(result: dict) -> str:
     ("MFU nominal", f"{100 * result['mfu_nominal']:.1f}%"),
   ]
   if "hf_tokens_per_sec" in result:
+    hf_model = result["hf_model"] + (f" ({result['hf_note']})" if result["hf_note"] else "")
     rows += [
+      ("HF model", f"transformers.{hf_model}"),
       (f"HF PyTorch tokens/s ({result['hf_precision']})", f"{result['hf_tokens_per_sec']:,.0f}"),
       ("HF tokens/s (runs)", ", ".join(f"{x:,.0f}" for x in result["hf_tokens_per_sec_runs"])),
       ("ours / HF", f"{result['ratio_to_hf']:.2f}x"),
@@ -275,14 +455,18 @@ def main(argv):
   except config_lib.ConfigError as e:
     print(f"throughput.py: error: {e}", file=sys.stderr)
     sys.exit(1)
-  result = benchmark(
-    run_config,
-    steps=steps,
-    repeats=repeats,
-    warmup=warmup,
-    peak_size=peak_size,
-    compare_hf=FLAGS.compare_hf,
-  )
+  try:
+    result = benchmark(
+      run_config,
+      steps=steps,
+      repeats=repeats,
+      warmup=warmup,
+      peak_size=peak_size,
+      compare_hf=FLAGS.compare_hf,
+    )
+  except NoCounterpartError as e:
+    print(f"throughput.py: error: --compare_hf: {e}", file=sys.stderr)
+    sys.exit(1)
   print(format_table(result))
   if FLAGS.json:
     with open(FLAGS.json, "w") as f:
