@@ -23,6 +23,16 @@ CASES = {
     ["--lengths=256,512", "--window=64", "--block=64", "--full_max=256", "--repeats=1"],
     [r"^\| 256 \| [\d.]+ \|", r"^\| 512 \| [\d.]+ \|"],
   ),
+  "profile_step": (
+    ["--smoke", "--steps=2", "--warmup=1"],
+    [
+      r"^\| forward \| [\d.,]+ \| [\d.]+% \|",
+      r"^\| backward \| [\d.,]+ \| [\d.]+% \|",
+      r"^\| update \| [\d.,]+ \| [\d.]+% \|",
+      r"^\| backward \| dot_general BSD,DGK->BSGK \|",  # einsum specs name the matmuls
+      r"^\| [\w.\-]+ \| dot \| f32\[",
+    ],
+  ),
   "train_memory": (
     ["--lengths=64", "--remat_length=128", "--deep_layers=2", "--steps=1"],
     [
