@@ -7,6 +7,14 @@ import time
 BYTES_VOCAB = 261
 
 
+def apply_overrides(config, overrides: dict) -> None:
+  """Sets {"group.field": value} in a (locked) ConfigDict, as --config.group.field flags would."""
+  for name, value in overrides.items():
+    group, field = name.split(".")
+    with config.unlocked():
+      config[group][field] = value
+
+
 def run_config(config):
   """The frozen RunConfig of a ConfigDict, with the vocabulary size its tokenizer would have."""
   from roformer import config as config_lib

@@ -17,7 +17,9 @@ to more than the wall time of a step; the shares are of their sum.
   JAX_PLATFORMS=cpu python benchmarks/profile_step.py --smoke   # seconds; what the test runs
 
 Prints three tables (by phase, by operation, the slowest instructions) and optionally writes
-them as JSON.
+them as JSON. With --torch, the Hugging Face model of the same shape (hf_counterpart.py: Llama,
+GPT-NeoX or RoFormer) is profiled after it with torch.profiler: the wall time of its labelled
+forward, backward and update, and each ATen op's self time. Run it on an otherwise idle machine.
 """
 
 import collections
@@ -30,6 +32,7 @@ import tempfile
 import time
 
 import bench_step
+import hf_counterpart
 from absl import app, flags
 from ml_collections import config_flags
 
@@ -42,6 +45,9 @@ config_flags.DEFINE_config_file(
 flags.DEFINE_integer("steps", 5, "Profiled train steps.")
 flags.DEFINE_integer("warmup", 2, "Unprofiled steps after compiling.")
 flags.DEFINE_integer("top", 25, "Rows of the slowest-instruction table.")
+flags.DEFINE_bool(
+  "torch", False, "Also profile the Hugging Face counterpart in PyTorch (hf_counterpart.py)."
+)
 flags.DEFINE_bool("smoke", False, "Tiny model and a few steps (a test runs this).")
 flags.DEFINE_string("json", "", "Write the tables to this JSON file.")
 FLAGS = flags.FLAGS
@@ -60,6 +66,7 @@ _INSTRUCTION = re.compile(
 )
 # Profiler events on the XLA threads that are bookkeeping, not ops.
 _NOT_OPS = ("ThreadpoolListener", "ThunkExecutor", "end: ")
+_PHASES = ("forward", "backward", "update")
 
 
 def instructions(hlo_text: str) -> dict[str, dict]:
@@ -145,6 +152,61 @@ def profile(run_config, *, steps: int, warmup: int) -> dict:
   }
 
 
+def profile_torch(run_config, *, steps: int, warmup: int) -> dict:
+  """Profiles the Hugging Face counterpart's train step with torch.profiler (seconds per step).
+
+  Phases are the wall time of the step's labelled forward, backward and update; operations are
+  each ATen op's self time on the calling thread (its intra-op threads work inside it).
+  """
+  from torch.profiler import ProfilerActivity, record_function
+  from torch.profiler import profile as torch_profile
+
+  trainer = hf_counterpart.TorchTrainer(run_config, hf_counterpart.hf_counterpart(run_config))
+  trainer.run(warmup)
+  with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+    start = time.perf_counter()
+    for _ in range(steps):
+      trainer.step(record_function)
+    wall = (time.perf_counter() - start) / steps
+  averages = prof.key_averages()
+  phases = {e.key: e.cpu_time_total * 1e-6 / steps for e in averages if e.key in _PHASES}
+  ops = sorted(
+    (e for e in averages if e.key not in _PHASES and e.self_cpu_time_total > 0),
+    key=lambda e: -e.self_cpu_time_total,
+  )
+  return {
+    "model": trainer.name,
+    "wall_seconds_per_step": wall,
+    "op_seconds_per_step": sum(e.self_cpu_time_total for e in ops) * 1e-6 / steps,
+    "tokens_per_sec": run_config.train.global_batch_size * run_config.data.seq_len / wall,
+    "phases": {name: phases.get(name, 0.0) for name in _PHASES},
+    "operations": [
+      {
+        "operation": e.key,
+        "calls": e.count // steps,
+        "seconds": e.self_cpu_time_total * 1e-6 / steps,
+      }
+      for e in ops
+    ],
+  }
+
+
+def print_torch_tables(result: dict, top: int) -> None:
+  total = result["op_seconds_per_step"]
+  ms = lambda s: f"{1e3 * s:,.2f}"  # noqa: E731
+  print(
+    f"\n{result['model']} (PyTorch): wall {ms(result['wall_seconds_per_step'])} ms/step "
+    f"({result['tokens_per_sec']:,.0f} tokens/s)\n"
+  )
+  print("| phase | ms/step (wall) |\n|---|---|")
+  for name, s in result["phases"].items():
+    print(f"| {name} | {ms(s)} |")
+  print("\n| ATen op | calls/step | ms/step (self) | share |\n|---|---|---|---|")
+  for row in result["operations"][:top]:
+    s = row["seconds"]
+    print(f"| {row['operation']} | {row['calls']} | {ms(s)} | {100 * s / total:.1f}% |")
+
+
 def print_tables(result: dict, top: int) -> None:
   total = result["op_seconds_per_step"]
   ms = lambda s: f"{1e3 * s:,.2f}"  # noqa: E731
@@ -174,13 +236,15 @@ def main(argv):
   cpu_flags.set_default_cpu_flags()  # as train.py does, before JAX starts
   config = FLAGS.config
   if FLAGS.smoke:
-    with config.unlocked():
-      for name, value in SMOKE.items():
-        group, field = name.split(".")
-        config[group][field] = value
+    bench_step.apply_overrides(config, SMOKE)
   run_config = bench_step.run_config(config)
+  if FLAGS.torch and (missing := hf_counterpart.missing()):
+    sys.exit(f"profile_step.py: error: {missing}")
   result = profile(run_config, steps=FLAGS.steps, warmup=FLAGS.warmup)
   print_tables(result, FLAGS.top)
+  if FLAGS.torch:
+    result["torch"] = profile_torch(run_config, steps=FLAGS.steps, warmup=FLAGS.warmup)
+    print_torch_tables(result["torch"], FLAGS.top)
   if FLAGS.json:
     with open(FLAGS.json, "w") as f:
       json.dump(result, f, indent=1)

@@ -1,4 +1,5 @@
-"""benchmarks/throughput.py --compare_hf: the Hugging Face decoder is the same model as ours.
+"""benchmarks/hf_counterpart.py (throughput.py --compare_hf): the Hugging Face decoder is the
+same model as ours.
 
 Needs torch and transformers (not project dependencies): skipped without them, as in CI.
 """
@@ -15,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 import bench_step  # noqa: E402
-import throughput  # noqa: E402
+import hf_counterpart  # noqa: E402
 
 from configs import lm  # noqa: E402
 
@@ -42,7 +43,7 @@ TINY = {"model.num_layers": 2, "model.emb_dim": 32, "model.num_heads": 2, "data.
 
 def _run_config(overrides):
   config = lm.get_config()
-  throughput._apply(config, overrides)
+  bench_step.apply_overrides(config, overrides)
   return bench_step.run_config(config)
 
 
@@ -69,7 +70,7 @@ def test_hf_decoder_of_the_issue_shape_has_our_parameter_count(overrides, name):
   from flax import nnx
 
   run_config = _run_config(overrides)
-  counterpart = throughput.hf_counterpart(run_config)
+  counterpart = hf_counterpart.hf_counterpart(run_config)
   assert (counterpart.name, counterpart.note) == (name, "")
   abstract = nnx.eval_shape(lambda: _ours(run_config))
   params = jax.tree.leaves(nnx.state(abstract, nnx.Param))
@@ -139,7 +140,7 @@ def test_hf_decoder_loss_at_step_0_equals_ours_with_the_same_weights(overrides, 
 
   run_config = _run_config(overrides)
   ours = _ours(run_config)
-  hf = _hf(throughput.hf_counterpart(run_config))
+  hf = _hf(hf_counterpart.hf_counterpart(run_config))
   copy(ours, hf)
   batch = bench_step.synthetic_batch(run_config, np.random.default_rng(0))
   batch["weights"][:, -1] = 0  # HF shifts the labels: no target after the last token
@@ -154,5 +155,5 @@ def test_hf_decoder_loss_at_step_0_equals_ours_with_the_same_weights(overrides, 
 
 def test_decoder_neither_family_reproduces_is_refused_naming_the_field():
   run_config = _run_config({**TINY, "model.activation": "swiglu"})  # SwiGLU with LayerNorm
-  with pytest.raises(throughput.NoCounterpartError, match=r"model\.norm='rmsnorm'"):
-    throughput.hf_counterpart(run_config)
+  with pytest.raises(hf_counterpart.NoCounterpartError, match=r"model\.norm='rmsnorm'"):
+    hf_counterpart.hf_counterpart(run_config)
