@@ -67,6 +67,8 @@ _INSTRUCTION = re.compile(
 # Profiler events on the XLA threads that are bookkeeping, not ops.
 _NOT_OPS = ("ThreadpoolListener", "ThunkExecutor", "end: ")
 _PHASES = ("forward", "backward", "update")
+# Control flow whose nested ops are profiled as events of their own.
+_CONTAINERS = ("conditional", "while", "call")
 
 
 def instructions(hlo_text: str) -> dict[str, dict]:
@@ -129,11 +131,13 @@ def profile(run_config, *, steps: int, warmup: int) -> dict:
     events = op_events(trace_dir)
   table = instructions(trainer.compiled.as_text())
   by_phase, by_op, by_instruction = (collections.Counter() for _ in range(3))
-  unmatched = 0.0
+  unmatched = collections.Counter()
   for name, seconds in events:
     info = table.get(name)
+    if info is not None and info["opcode"] in _CONTAINERS:
+      continue  # its branch or body ops are events of their own
     if info is None:  # e.g. copies and tuple bookkeeping without metadata
-      unmatched += seconds
+      unmatched[name] += seconds / steps
       by_phase["other"] += seconds / steps
       continue
     by_phase[phase(info["op_name"])] += seconds / steps
@@ -146,6 +150,7 @@ def profile(run_config, *, steps: int, warmup: int) -> dict:
     "tokens_per_sec": run_config.train.global_batch_size * run_config.data.seq_len / wall,
     "phases": dict(by_phase.most_common()),
     "operations": [{"phase": p, "operation": o, "seconds": s} for (p, o), s in by_op.most_common()],
+    "other": dict(unmatched.most_common(10)),
     "instructions": [
       {"name": n, "seconds": s, **table[n]} for n, s in by_instruction.most_common()
     ],

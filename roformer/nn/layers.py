@@ -47,3 +47,13 @@ def norm(cfg, dim, rngs):
   return nnx.LayerNorm(
     dim, bias_init=nnx.with_partitioning(nnx.initializers.zeros, ("embed",)), **kwargs
   )
+
+
+def tokens(x_BL):
+  """[B, L, ...] -> [B * L, ...]: the tokens as one axis, for position-wise dense layers.
+
+  The gradient of a dense layer's weights contracts its input and output gradient over the
+  tokens. Over one axis XLA:CPU runs that as one GEMM reading both in place; over two (B and L)
+  it first copies both into a transposed layout, which costs as much as the GEMM itself.
+  """
+  return x_BL.reshape(-1, *x_BL.shape[2:])

@@ -19,6 +19,7 @@ from roformer.nn.layers import DTYPES
 from roformer.nn.layers import embed as _embed
 from roformer.nn.layers import linear as _linear
 from roformer.nn.layers import norm as _norm
+from roformer.nn.layers import tokens as _tokens
 from roformer.nn.seqwise import fold, seqwise
 from roformer.posenc import POSENCS, PosEnc, make_posenc, validate_posenc
 from roformer.posenc.config import PosEncConfig
@@ -327,12 +328,10 @@ class Encoder(_Model):
   def logits(self, h_BLD):
     """MLM head: hidden [B, L, D] -> float32 logits [B, L, V]."""
     # HF RoFormer uses the model's hidden_act here; a swiglu model falls back to gelu.
-    t_BLE = self.head_norm(jax.nn.gelu(self.head_dense(h_BLD), approximate=False))
-    if self.head_decoder is None:
-      logits_BLV = self.embed.attend(t_BLE)
-    else:
-      logits_BLV = self.head_decoder(t_BLE)
-    return logits_BLV.astype(jnp.float32) + self.head_bias[...].astype(jnp.float32)[None, None]
+    t_NE = self.head_norm(jax.nn.gelu(self.head_dense(_tokens(h_BLD)), approximate=False))
+    logits_NV = self.embed.attend(t_NE) if self.head_decoder is None else self.head_decoder(t_NE)
+    logits_NV = logits_NV.astype(jnp.float32) + self.head_bias[...].astype(jnp.float32)[None]
+    return logits_NV.reshape(*h_BLD.shape[:2], -1)
 
 
 class Decoder(_Model):
@@ -375,9 +374,9 @@ class Decoder(_Model):
 
   def logits(self, h_BLD):
     """LM head: hidden [B, L, D] -> float32 logits [B, L, V]."""
-    if self.lm_head is None:
-      return self.embed.attend(h_BLD).astype(jnp.float32)
-    return self.lm_head(h_BLD).astype(jnp.float32)
+    h_ND = _tokens(h_BLD)
+    logits_NV = self.embed.attend(h_ND) if self.lm_head is None else self.lm_head(h_ND)
+    return logits_NV.astype(jnp.float32).reshape(*h_BLD.shape[:2], -1)
 
 
 MODELS = {"encoder": Encoder, "decoder": Decoder}
@@ -516,12 +515,14 @@ class Block(nnx.Module):
     return x_BLD, cache
 
   def _out_and_mlp(self, key, o_BLHK, x_BLD):
-    x_BLD = x_BLD + _dropout(self.attn.out(o_BLHK), self.dropout_rate, fold(key, _OUT))
+    # Over the tokens as one axis (layers.tokens); dropout draws the same masks either way.
+    o_NHK, x_ND = _tokens(o_BLHK), _tokens(x_BLD)
+    x_ND = x_ND + _dropout(self.attn.out(o_NHK), self.dropout_rate, fold(key, _OUT))
     if not self.pre_norm:
-      x_BLD = self.attn_norm(x_BLD)
-    h_BLD = self.mlp_norm(x_BLD) if self.pre_norm else x_BLD
-    x_BLD = x_BLD + _dropout(self.mlp(h_BLD), self.dropout_rate, fold(key, _MLP))
-    return x_BLD if self.pre_norm else self.mlp_norm(x_BLD)
+      x_ND = self.attn_norm(x_ND)
+    h_ND = self.mlp_norm(x_ND) if self.pre_norm else x_ND
+    x_ND = x_ND + _dropout(self.mlp(h_ND), self.dropout_rate, fold(key, _MLP))
+    return (x_ND if self.pre_norm else self.mlp_norm(x_ND)).reshape(x_BLD.shape)
 
 
 class Mlp(nnx.Module):

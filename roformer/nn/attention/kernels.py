@@ -6,6 +6,8 @@ R = H // G query heads per key/value head, K head dim, D model dim.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -21,7 +23,6 @@ from roformer.nn.attention.primitives import (
   online_softmax_init,
   online_softmax_output,
   online_softmax_update,
-  scores,
   split_blocks,
   split_heads,
 )
@@ -67,7 +68,6 @@ def dense_attention(
   check_ranks(q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS)
   B, L, H, K = q_BLHK.shape
   G = k_BSGK.shape[2]
-  bias_BHLS = None if bias_fn is None else bias_fn(qpos_BL, kpos_BS)
   # Bidirectional attention over one segment needs no mask at all.
   masked = qseg_BL is not None or causal or window > 0
   mask_BLS = None
@@ -76,21 +76,48 @@ def dense_attention(
       qpos_BL, kpos_BS, qseg_BL, kseg_BS, causal=causal, window=window, window_kind=window_kind,
       global_tokens=global_tokens,
     )  # fmt: skip
+  # Heads first: every product is a GEMM batched over (B, G) with one contracting axis, which
+  # XLA:CPU runs on the [L, S] operands in place; with the heads after the positions it copies
+  # them into a transposed layout, in the forward pass and again in the backward pass.
+  q_BGRLK = q_BLHK.reshape(B, L, G, H // G, K).transpose(0, 2, 3, 1, 4)
+  k_BGSK, v_BGSK = k_BSGK.transpose(0, 2, 1, 3), v_BSGK.transpose(0, 2, 1, 3)
+  bias_BHLS = None if bias_fn is None else bias_fn(qpos_BL, kpos_BS)
   if content_bias_fn is not None:
     content_BHLS = content_bias_fn(q_BLHK, k_BSGK, mask_BLS)
     bias_BHLS = content_BHLS if bias_BHLS is None else bias_BHLS + content_BHLS
-  s_BGRLS = scores(split_heads(q_BLHK, G), k_BSGK, bias_BHLS)
-  if masked:
+  o_BGRLK = _softmax_attention(
+    q_BGRLK, k_BGSK, v_BGSK, mask_BLS, bias_BHLS, dropout_rate, dropout_key
+  )
+  o_BLGRK = o_BGRLK.transpose(0, 3, 1, 2, 4)
+  if masked:  # a query with no allowed key gets zeros (as in `chunked`), not the mean of v
+    o_BLGRK = jnp.where(mask_BLS.any(axis=-1)[:, :, None, None, None], o_BLGRK, 0.0)
+  return o_BLGRK.reshape(B, L, H, K).astype(q_BLHK.dtype)
+
+
+def _softmax_attention(q_BGRLK, k_BGSK, v_BGSK, mask_BLS, bias_BHLS, dropout_rate, dropout_key):
+  """softmax(q k / sqrt(K) + bias, masked) v over heads-first operands: [B, G, R, L, K] (fp32
+  scores and softmax)."""
+  B, G, R, L, K = q_BGRLK.shape
+  S = k_BGSK.shape[2]
+  # (R, L) as one axis M: one free axis per operand, so the backward products need no transpose.
+  s_BGMS = jnp.einsum(
+    "bgmk,bgsk->bgms", q_BGRLK.reshape(B, G, R * L, K), k_BGSK, preferred_element_type=jnp.float32
+  )
+  s_BGRLS = s_BGMS.reshape(B, G, R, L, S) * (1.0 / math.sqrt(K))
+  if bias_BHLS is not None:
+    s_BGRLS = s_BGRLS + bias_BHLS.astype(jnp.float32).reshape(B, G, R, L, S)
+  if mask_BLS is not None:
     s_BGRLS = jnp.where(mask_BLS[:, None, None], s_BGRLS, NEG)
   # fp32 softmax for stability. jax.nn.softmax's custom JVP keeps the backward pass to one
   # reduction; a masked key gets exp(NEG - max) = 0 exactly unless its whole row is masked.
   p_BGRLS = dropout(jax.nn.softmax(s_BGRLS, axis=-1), dropout_rate, dropout_key)
-  o_BLGRK = jnp.einsum(
-    "bgrls,bsgk->blgrk", p_BGRLS.astype(v_BSGK.dtype), v_BSGK, preferred_element_type=jnp.float32
+  o_BGMK = jnp.einsum(
+    "bgms,bgsk->bgmk",
+    p_BGRLS.reshape(B, G, R * L, S).astype(v_BGSK.dtype),
+    v_BGSK,
+    preferred_element_type=jnp.float32,
   )
-  if masked:  # a query with no allowed key gets zeros (as in `chunked`), not the mean of v
-    o_BLGRK = jnp.where(mask_BLS.any(axis=-1)[:, :, None, None, None], o_BLGRK, 0.0)
-  return o_BLGRK.reshape(B, L, H, K).astype(q_BLHK.dtype)
+  return o_BGMK.reshape(B, G, R, L, K)
 
 
 def chunked_attention(

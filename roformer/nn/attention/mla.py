@@ -78,7 +78,7 @@ class MLAttention(nnx.Module):
     self.kv_norm = nnx.RMSNorm(P, **norm)
     self.kv_up = up(P, 2 * N, (None, "heads", "kv"))
     self.out = nnx.Einsum(
-      "BLHK,HKD->BLD", (H, N, D), (D,) if cfg.use_bias else None,
+      "...HK,HKD->...D", (H, N, D), (D,) if cfg.use_bias else None,
       kernel_init=kernel_init((0, 1), 2, ("heads", "kv", "embed")),
       bias_init=nnx.with_partitioning(nnx.initializers.zeros, ("embed",)), **common,
     )  # fmt: skip

@@ -17,6 +17,7 @@ from flax import nnx
 
 from roformer.nn.attention import kv_cache
 from roformer.nn.attention.kernels import KERNELS, dense_attention
+from roformer.nn.layers import tokens
 
 if TYPE_CHECKING:
   from roformer.posenc import PosEnc
@@ -77,19 +78,19 @@ class Attention(nnx.Module):
     hk_bias = nnx.with_partitioning(nnx.initializers.zeros, ("heads", "kv"))
     qkv_init = kernel_init(0, (1, 2), ("embed", "heads", "kv"))
     self.query = nnx.Einsum(
-      "BLD,DHK->BLHK", (D, H, K), (H, K) if use_bias else None,
+      "...D,DHK->...HK", (D, H, K), (H, K) if use_bias else None,
       kernel_init=qkv_init, bias_init=hk_bias, **common,
     )  # fmt: skip
     self.key = nnx.Einsum(
-      "BSD,DGK->BSGK", (D, G, K), (G, K) if use_bias else None,
+      "...D,DGK->...GK", (D, G, K), (G, K) if use_bias else None,
       kernel_init=qkv_init, bias_init=hk_bias, **common,
     )  # fmt: skip
     self.value = nnx.Einsum(
-      "BSD,DGK->BSGK", (D, G, K), (G, K) if use_bias else None,
+      "...D,DGK->...GK", (D, G, K), (G, K) if use_bias else None,
       kernel_init=qkv_init, bias_init=hk_bias, **common,
     )  # fmt: skip
     self.out = nnx.Einsum(
-      "BLHK,HKD->BLD", (H, K, D), (D,) if use_bias else None,
+      "...HK,HKD->...D", (H, K, D), (D,) if use_bias else None,
       kernel_init=kernel_init((0, 1), 2, ("heads", "kv", "embed")),
       bias_init=nnx.with_partitioning(nnx.initializers.zeros, ("embed",)), **common,
     )  # fmt: skip
@@ -114,7 +115,12 @@ class Attention(nnx.Module):
 
   def qkv(self, x_BLD):
     """Projections (position-wise): x [B, L, D] -> q [B, L, H, K], k and v [B, L, G, K]."""
-    return self.query(x_BLD), self.key(x_BLD), self.value(x_BLD)
+    B, L, D = x_BLD.shape
+    # Over the tokens as one axis, so the weight gradients contract one axis (see `tokens`).
+    x_ND = tokens(x_BLD)
+    return tuple(
+      p(x_ND).reshape(B, L, *p.kernel.shape[1:]) for p in (self.query, self.key, self.value)
+    )
 
   def init_cache(self, batch: int, max_len: int) -> kv_cache.KVCache:
     """An empty cache for generating up to `max_len` tokens (window slots when shorter)."""
