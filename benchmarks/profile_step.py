@@ -92,9 +92,9 @@ def phase(op_name: str) -> str:
 
 
 def operation(op_name: str) -> str:
-  """The JAX primitive, with its einsum spec when it has one: `dot_general BLD,DHK->BLHK`."""
+  """The JAX primitive, with its einsum spec when it has one: `dot_general ...D,DHK->...HK`."""
   leaf = op_name.rsplit("/", 1)[-1]
-  spec = re.findall(r"\(([A-Za-z]+,[A-Za-z]+->[A-Za-z]+)\)", op_name)
+  spec = re.findall(r"\(([\w.]+,[\w.]+->[\w.]+)\)", op_name)
   return f"{leaf} {spec[-1]}" if spec and leaf == "dot_general" else leaf
 
 

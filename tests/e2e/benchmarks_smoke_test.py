@@ -24,12 +24,12 @@ CASES = {
     [r"^\| 256 \| [\d.]+ \|", r"^\| 512 \| [\d.]+ \|"],
   ),
   "profile_step": (
-    ["--smoke", "--steps=2", "--warmup=1"],
+    ["--smoke", "--steps=2", "--warmup=1", "--top=80"],
     [
       r"^\| forward \| [\d.,]+ \| [\d.]+% \|",
       r"^\| backward \| [\d.,]+ \| [\d.]+% \|",
       r"^\| update \| [\d.,]+ \| [\d.]+% \|",
-      r"^\| backward \| dot_general BSD,DGK->BSGK \|",  # einsum specs name the matmuls
+      r"^\| backward \| dot_general \.\.\.D,DGK->\.\.\.GK \|",  # einsum specs name the matmuls
       r"^\| [\w.\-]+ \| dot \| f32\[",
     ],
   ),
