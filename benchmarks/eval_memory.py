@@ -32,7 +32,8 @@ def _child(length: int) -> dict:
 
   from roformer import data
   from roformer.evals import perplexity
-  from roformer.nn.model import ModelConfig, make_model
+  from roformer.nn.config import ModelConfig
+  from roformer.nn.model import make_model
 
   cfg = ModelConfig(
     kind="decoder",

@@ -47,12 +47,12 @@ def _llama_mismatches(m) -> list[str]:
 
 
 def _neox_mismatches(m) -> list[str]:
-  from roformer.nn import model as model_lib
+  from roformer.nn import config as nn_config
 
   needs = _needs(m, activation="gelu", norm="layernorm", use_bias=True)  # its MLP always has biases
-  if model_lib.resolve_num_kv_heads(m) != m.num_heads:  # no grouped-query attention
+  if nn_config.resolve_num_kv_heads(m) != m.num_heads:  # no grouped-query attention
     needs += _needs(m, num_kv_heads=0)
-  if model_lib.resolve_head_dim(m) * m.num_heads != m.emb_dim:  # head_dim is hidden / heads
+  if nn_config.resolve_head_dim(m) * m.num_heads != m.emb_dim:  # head_dim is hidden / heads
     needs += _needs(m, head_dim=0)
   return needs
 
@@ -103,7 +103,7 @@ def _roformer_config(run_config):
 def _llama_config(run_config):
   import transformers
 
-  from roformer.nn import model as model_lib
+  from roformer.nn import config as nn_config
 
   m = run_config.model
   base, _, note = _rope(run_config, partial=False)
@@ -113,8 +113,8 @@ def _llama_config(run_config):
     intermediate_size=m.mlp_dim,
     num_hidden_layers=m.num_layers,
     num_attention_heads=m.num_heads,
-    num_key_value_heads=model_lib.resolve_num_kv_heads(m),
-    head_dim=model_lib.resolve_head_dim(m),
+    num_key_value_heads=nn_config.resolve_num_kv_heads(m),
+    head_dim=nn_config.resolve_head_dim(m),
     hidden_act="silu",
     max_position_embeddings=run_config.data.seq_len,
     rms_norm_eps=m.norm_eps,

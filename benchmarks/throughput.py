@@ -88,12 +88,12 @@ def flops_per_token(run_config, *, head_fraction: float = 1.0) -> float:
   layer at max_predictions of the L positions (XLA's cost analysis cannot tell: it counts both
   branches of the step's lax.cond).
   """
-  from roformer.nn import model as model_lib
+  from roformer.nn import config as nn_config
 
   m = run_config.model
   D, F, V = m.emb_dim, m.mlp_dim, m.vocab_size
   E = m.embedding_size or D
-  H, G, K = m.num_heads, model_lib.resolve_num_kv_heads(m), model_lib.resolve_head_dim(m)
+  H, G, K = m.num_heads, nn_config.resolve_num_kv_heads(m), nn_config.resolve_head_dim(m)
   mlp = (3 if m.activation == "swiglu" else 2) * D * F
   per_layer = D * H * K * 2 + D * G * K * 2 + mlp
   head = V * E + (D * E if m.kind == "encoder" else 0)

@@ -18,8 +18,7 @@ from roformer.data.config import SOURCE_FIELDS, SOURCES, TOKENIZERS, DataConfig
 from roformer.errors import ConfigError
 from roformer.infra.sharding import MESH_AXES, MeshConfig
 from roformer.infra.workdir import CONFIG_FILE, read_config_json
-from roformer.nn import model as model_lib
-from roformer.nn.model import ModelConfig
+from roformer.nn.config import ModelConfig, unsupported_length
 from roformer.posenc.config import PosEncConfig, RopeScaling
 
 SCHEDULES = ("cosine", "linear", "constant")
@@ -155,7 +154,7 @@ def _rules(value: Any) -> tuple:
   return tuple(rules)
 
 
-# ---- Value checks (a ModelConfig checks itself: roformer.nn.model.validate_model) ----
+# ---- Value checks (a ModelConfig checks itself: roformer.nn.config.validate_model) ----
 
 
 def _check(ok: bool, message: str) -> None:
@@ -324,7 +323,7 @@ def run_config_from_dict(config: Any, *, vocab_size: int | None = None) -> RunCo
   rules = _rules(mesh_values.get("rules", MeshConfig.rules))
   mesh = _build(MeshConfig, mesh_values, "mesh", rules=rules)
   _validate_mesh(mesh)
-  too_long = model_lib.unsupported_length(model, data.seq_len)
+  too_long = unsupported_length(model, data.seq_len)
   _check(too_long is None, str(too_long))
   _check(
     posenc.randomize_max == 0 or posenc.randomize_max >= data.seq_len,

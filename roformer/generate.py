@@ -38,6 +38,7 @@ from flax import nnx
 from roformer import config as config_lib
 from roformer import runs
 from roformer.data.tokenizer import build_tokenizer
+from roformer.nn import config as nn_config
 from roformer.nn import model as model_lib
 from roformer.posenc import POSENCS
 
@@ -108,7 +109,7 @@ def _check(model, prompt_BP, max_new_tokens, temperature, top_k, top_p):
   if not 0.0 < top_p <= 1.0:
     raise ValueError(f"top_p={top_p} must be in (0, 1] (1 = no nucleus filter)")
   # E.g. a learned position table must cover every generated position.
-  too_long = model_lib.unsupported_length(model.cfg, prompt_BP.shape[1] + max_new_tokens)
+  too_long = nn_config.unsupported_length(model.cfg, prompt_BP.shape[1] + max_new_tokens)
   if too_long:
     raise ValueError(too_long)
   _check_cache_memory(model, prompt_BP.shape[0], prompt_BP.shape[1] + max_new_tokens)

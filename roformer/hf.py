@@ -15,7 +15,8 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import load_file as _load_numpy
 
-from roformer.nn.model import DTYPES, ModelConfig, make_model
+from roformer.nn.config import ModelConfig
+from roformer.nn.model import DTYPES, make_model
 from roformer.posenc.config import PosEncConfig
 
 # HF `hidden_act` -> model.activation. Only the exact (erf) GELU matches the Encoder, whose MLP and

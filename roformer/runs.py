@@ -16,6 +16,7 @@ from roformer import config as config_lib
 from roformer.config import RunConfig
 from roformer.errors import ConfigError
 from roformer.infra import checkpoint, sharding
+from roformer.nn import config as nn_config
 from roformer.nn import model as model_lib
 from roformer.posenc import POSENCS
 from roformer.posenc.config import RopeScaling
@@ -121,7 +122,7 @@ def unsupported_length(model_cfg, length: int) -> str | None:
       f"a run trained with randomized positions is evaluated at a sorted subset of [0, "
       f"posenc.randomize_max={randomize_max}), which has no {length} distinct positions"
     )
-  return model_lib.unsupported_length(model_cfg, length)
+  return nn_config.unsupported_length(model_cfg, length)
 
 
 def restore_for_eval(workdir, run_config, model_cfg, *, step: int | None = None):

@@ -24,7 +24,8 @@ import numpy as np
 from flax import nnx
 
 from roformer import posenc
-from roformer.nn.model import ModelConfig, make_model
+from roformer.nn.config import ModelConfig
+from roformer.nn.model import make_model
 from roformer.posenc.config import PosEncConfig
 
 REPO = Path(__file__).resolve().parent.parent

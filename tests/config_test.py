@@ -12,7 +12,7 @@ from configs import default
 from roformer import config as config_lib
 from roformer.config import ConfigError
 from roformer.data.config import DataConfig
-from roformer.nn.model import ModelConfig
+from roformer.nn.config import ModelConfig
 from roformer.posenc.config import PosEncConfig, RopeScaling
 
 REPO = Path(__file__).resolve().parent.parent

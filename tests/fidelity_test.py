@@ -18,7 +18,8 @@ from roformer.data import windows as data_windows
 from roformer.evals import plots, ppl_vs_length, spec
 from roformer.nn.attention import kernels as attention
 from roformer.nn.attention import primitives
-from roformer.nn.model import ModelConfig, make_model, resolve_embed_scale, unsupported_length
+from roformer.nn.config import ModelConfig, resolve_embed_scale, unsupported_length
+from roformer.nn.model import make_model
 from roformer.posenc import POSENCS, sinusoidal_embedding
 from roformer.posenc.config import PosEncConfig
 from roformer.posenc.rope import xpos_max_span

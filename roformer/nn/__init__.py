@@ -4,6 +4,7 @@ Positions enter only through a `roformer.posenc` encoding; nothing here reads a 
 or devices.
 """
 
-from roformer.nn.model import Decoder, Encoder, ModelConfig, make_model, validate_model
+from roformer.nn.config import ModelConfig, validate_model
+from roformer.nn.model import Decoder, Encoder, make_model
 
 __all__ = ["Decoder", "Encoder", "ModelConfig", "make_model", "validate_model"]

@@ -11,7 +11,8 @@ from flax import nnx
 
 from roformer.data import ByteTokenizer, eval_windows
 from roformer.evals import perplexity
-from roformer.nn.model import ModelConfig, make_model
+from roformer.nn.config import ModelConfig
+from roformer.nn.model import make_model
 
 VOCAB = ByteTokenizer.vocab_size
 

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from roformer.nn.model import Decoder, Encoder, ModelConfig, make_model, unsupported_length
+from roformer.nn.config import ModelConfig, unsupported_length
+from roformer.nn.model import Decoder, Encoder, make_model
 from roformer.posenc import POSENCS
 from roformer.posenc.config import PosEncConfig
 

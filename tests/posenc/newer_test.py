@@ -245,7 +245,8 @@ def test_cope_and_fire_have_their_parameters_in_every_layer_unless_shared(
   # layer unless --cope-shared; FIRE, with FIRE-S its layer-shared variant).
   import dataclasses
 
-  from roformer.nn.model import ModelConfig, make_model
+  from roformer.nn.config import ModelConfig
+  from roformer.nn.model import make_model
 
   cfg = ModelConfig(
     kind="decoder", num_layers=3, emb_dim=16, num_heads=2, mlp_dim=32, attention_impl="dense",
@@ -277,7 +278,8 @@ def test_cope_and_fire_have_their_parameters_in_every_layer_unless_shared(
 
 def test_per_layer_encodings_give_layers_different_biases():
   # A per-layer FIRE draws each layer's MLP from that layer's keys: layers differ.
-  from roformer.nn.model import ModelConfig, make_model
+  from roformer.nn.config import ModelConfig
+  from roformer.nn.model import make_model
 
   cfg = ModelConfig(
     kind="decoder", num_layers=2, emb_dim=16, num_heads=2, mlp_dim=32, attention_impl="dense",

@@ -195,13 +195,13 @@ def test_a_log_window_cut_short_by_a_resume_says_how_many_steps_it_covers(tmp_pa
 def test_a_run_validates_its_model_and_encoding_configs_once(tmp_path, monkeypatch):
   # A ModelConfig checks itself (and its posenc) when built; nothing after the config boundary
   # checks it again: not the setup, not make_model, not make_posenc, not the evaluation.
-  from roformer.nn import model as model_lib
+  from roformer.nn import config as nn_config
   from roformer.train import loop as train_loop
 
   calls = {"validate_model": 0, "validate_posenc": 0}
 
   def counted(name):
-    real = getattr(model_lib, name)
+    real = getattr(nn_config, name)
 
     def count(*args, **kwargs):
       calls[name] += 1
@@ -210,7 +210,7 @@ def test_a_run_validates_its_model_and_encoding_configs_once(tmp_path, monkeypat
     return count
 
   for name in calls:
-    monkeypatch.setattr(model_lib, name, counted(name))
+    monkeypatch.setattr(nn_config, name, counted(name))
   overrides = {"train.num_train_steps": 2, "train.eval_every_steps": 2}
   train_loop.train_and_evaluate(testing.tiny_config(overrides), str(tmp_path / "run"))
   assert calls == {"validate_model": 1, "validate_posenc": 1}

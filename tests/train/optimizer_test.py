@@ -9,7 +9,8 @@ import pytest
 from flax import nnx
 
 from roformer.config import OptimConfig
-from roformer.nn.model import ModelConfig, make_model
+from roformer.nn.config import ModelConfig
+from roformer.nn.model import make_model
 from roformer.train import optimizer
 
 

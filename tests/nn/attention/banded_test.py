@@ -11,7 +11,7 @@ from roformer import testing
 from roformer.nn.attention import banded as attention_window
 from roformer.nn.attention import kernels as attention
 from roformer.nn.attention import primitives
-from roformer.nn.model import layer_windows, validate_model
+from roformer.nn.config import layer_windows, validate_model
 
 B, L, H, G = 2, 29, 4, 2  # L is not a multiple of the block
 

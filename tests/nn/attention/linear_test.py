@@ -10,7 +10,7 @@ from flax import nnx
 
 from roformer import testing
 from roformer.nn.attention.linear import LinearAttention, feature_map
-from roformer.nn.model import validate_model
+from roformer.nn.config import validate_model
 from roformer.posenc import make_posenc
 from roformer.posenc.config import PosEncConfig, RopeScaling
 

@@ -58,7 +58,7 @@ def test_yarn_softmax_factor_is_deepseeks_mscale_squared():
 
 
 def test_mla_config_errors_name_the_fields():
-  from roformer.nn.model import validate_model
+  from roformer.nn.config import validate_model
 
   with pytest.raises(ValueError, match="model.kv_lora_rank"):
     validate_model(testing.tiny_model_config(attention="mla", num_kv_heads=0))
