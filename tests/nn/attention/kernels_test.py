@@ -119,17 +119,67 @@ def _naive_attention(q, k, v, qpos, kpos, seg, causal, window, bias):
   return out
 
 
+def _position_bias(qpos_BL, kpos_BS):
+  # Depends on both positions and the head: a block of it is right only if taken at its positions.
+  h_1H11 = jnp.arange(H)[None, :, None, None]
+  return jnp.sin(0.3 * qpos_BL[:, None, :, None] - 0.7 * kpos_BS[:, None, None, :] + h_1H11)
+
+
+@pytest.mark.parametrize("query_block", [0, 3])  # 0: the default, one block at this length
 @pytest.mark.parametrize("causal", [True, False])
-def test_dense_matches_naive_loop_with_segments_window_and_bias(causal):
+def test_dense_matches_naive_loop_with_segments_window_and_bias(causal, query_block, monkeypatch):
+  if query_block:  # causal self-attention in query blocks [0, 3), [3, 6), [6, 9), [9, 11)
+    monkeypatch.setattr(attention, "CAUSAL_QUERY_BLOCK", query_block)
   length = 11
   q, k, v = _qkv(length=length)
   pos, seg = _positions(length), _segments(length)
-  bias = _normal((B, H, length, length), 7)
-  got = jax.jit(attention.dense_attention, static_argnames=("causal", "window", "bias_fn"))(
-    q, k, v, pos, pos, qseg_BL=seg, kseg_BS=seg, causal=causal, window=4, bias_fn=lambda *_: bias
+  got = attention.dense_attention(
+    q, k, v, pos, pos, qseg_BL=seg, kseg_BS=seg, causal=causal, window=4, bias_fn=_position_bias
   )
-  want = _naive_attention(q, k, v, pos, pos, seg, causal, 4, bias)
+  want = _naive_attention(q, k, v, pos, pos, seg, causal, 4, _position_bias(pos, pos))
   np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_causal_query_blocks_cover_the_rows_and_stop_the_keys_at_the_block_end():
+  assert attention.causal_query_blocks(100) == [(0, 100, 100)]
+  assert attention.causal_query_blocks(300) == [(0, 100, 100), (100, 200, 200), (200, 300, 300)]
+  assert attention.causal_query_blocks(512) == [(s, s + 128, s + 128) for s in range(0, 512, 128)]
+  assert attention.causal_query_blocks(4096) == [(s, s + 512, s + 512) for s in range(0, 4096, 512)]
+
+
+def test_dense_causal_blocks_give_the_unsplit_gradients(monkeypatch):
+  q, k, v = _qkv()
+  pos, seg = _positions(), _segments()
+
+  def grads():
+    def loss(q, k, v):
+      o = attention.dense_attention(
+        q, k, v, pos, pos, qseg_BL=seg, kseg_BS=seg, causal=True, bias_fn=_position_bias
+      )
+      return jnp.sum(jnp.sin(o))
+
+    return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+  want = grads()  # L = 37: one block
+  monkeypatch.setattr(attention, "CAUSAL_QUERY_BLOCK", 8)  # 5 blocks
+  for g, w in zip(grads(), want, strict=True):
+    np.testing.assert_allclose(g, w, atol=1e-5)
+
+
+def test_dense_causal_blocks_skip_later_keys_by_index(monkeypatch):
+  # Positions that run backwards break the contract (they advance within a segment): by
+  # position, query 0 (the highest) may see every key; by block it sees keys [0, 3) only. The
+  # outputs differ, which shows the later keys are really skipped.
+  monkeypatch.setattr(attention, "CAUSAL_QUERY_BLOCK", 3)
+  q, k, v = _qkv(length=9)
+  pos = jnp.broadcast_to(jnp.arange(9)[::-1], (B, 9))
+  got = attention.dense_attention(q, k, v, pos, pos, causal=True)
+  q3, k3, v3, pos3 = q[:, :3], k[:, :3], v[:, :3], pos[:, :3]
+  first = attention.dense_attention(q3, k3, v3, pos3, pos3, causal=True)
+  np.testing.assert_allclose(got[:, :3], first, atol=1e-6)
+  monkeypatch.setattr(attention, "CAUSAL_QUERY_BLOCK", 9)  # one block: every key by position
+  unsplit = attention.dense_attention(q, k, v, pos, pos, causal=True)
+  assert np.abs(unsplit[:, :3] - first).max() > 1e-2
 
 
 def _layer(num_kv_heads, impl="dense", seed=0, dtype=jnp.float32):
