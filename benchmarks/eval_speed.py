@@ -1,0 +1,193 @@
+"""Evaluation tokens/s at long context, and Hugging Face's PyTorch forward side by side.
+
+Scores one window of each length (batch 1, every token scored) with a randomly initialised
+model of the config's shape through `roformer.evals.perplexity.evaluate_at_length`, the function
+eval.py runs (blockwise: sequence blocks of the layers and the chunked attention kernel beyond
+`model.attention_block`, so memory stays linear in the length). With --compare_hf the Hugging
+Face decoder of the same shape (benchmarks/hf_counterpart.py: LlamaForCausalLM or
+GPTNeoXForCausalLM, float32, SDPA attention) computes the same loss under torch.no_grad() on the
+same tokens, alternating with ours repeat by repeat; the table gives the medians and their
+ratio. Compile time is excluded (each length is scored once before timing).
+
+  # the decoder of the speed comparison (Llama-style 4 x 256, bytes) at 2k, 8k and 32k tokens
+  JAX_PLATFORMS=cpu python benchmarks/eval_speed.py --config=configs/lm.py \
+    --config.model.num_layers=4 --config.model.emb_dim=256 --config.model.num_heads=4 \
+    --config.model.mlp_dim=704 --config.model.activation=swiglu --config.model.norm=rmsnorm \
+    --config.model.use_bias=False --config.model.tie_embeddings=False \
+    --config.model.dropout_rate=0 --config.posenc.rope_layout=half --compare_hf
+  JAX_PLATFORMS=cpu python benchmarks/eval_speed.py --smoke   # seconds; what the test runs
+"""
+
+import json
+import os
+import statistics
+import sys
+import time
+
+import bench_step
+import hf_counterpart
+from absl import app, flags
+from ml_collections import config_flags
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, _REPO)  # the config files import configs.default
+
+config_flags.DEFINE_config_file(
+  "config", os.path.join(_REPO, "configs", "lm.py"), "Training config file.", lock_config=True
+)
+flags.DEFINE_list("lengths", ["2048", "8192", "32768"], "Window lengths to score.")
+flags.DEFINE_integer("repeats", 3, "Alternating timed repeats per length; the median is reported.")
+flags.DEFINE_bool("compare_hf", False, "Time Hugging Face's PyTorch forward of the same shape.")
+flags.DEFINE_bool("smoke", False, "Tiny model and short lengths (a test runs this).")
+flags.DEFINE_string("json", "", "Write the results to this JSON file.")
+FLAGS = flags.FLAGS
+
+SMOKE = {
+  "model.num_layers": 1,
+  "model.emb_dim": 32,
+  "model.num_heads": 2,
+  "model.mlp_dim": 64,
+  "model.attention_block": 64,
+}
+SMOKE_LENGTHS = [64, 256]
+
+
+class OursEval:
+  """eval.py's scoring of one window of `length` random tokens."""
+
+  def __init__(self, run_config, length: int):
+    import numpy as np
+    from flax import nnx
+
+    from roformer.nn.model import make_model
+
+    self.model = make_model(run_config.model, rngs=nnx.Rngs(run_config.train.seed))
+    V = run_config.model.vocab_size
+    # A prefix of `length` tokens, then `length` scored targets: exactly one window.
+    self.tokens = np.random.default_rng(0).integers(0, V, 2 * length + 1).astype(np.int32)
+    self.length = length
+
+  def run(self) -> float:
+    from roformer.evals import perplexity
+
+    L = self.length
+    start = time.perf_counter()
+    result = perplexity.evaluate_at_length(
+      self.model, self.tokens, length=L, protocol="nonoverlapping", stride=L, max_tokens=L,
+      max_length=L, batch_size=1,
+    )  # fmt: skip
+    seconds = time.perf_counter() - start
+    assert result["tokens"] == L, result  # one window, every token scored
+    return seconds
+
+
+class TorchEval:
+  """The Hugging Face counterpart's loss on the same window, no gradients."""
+
+  def __init__(self, run_config, counterpart, tokens, length: int):
+    import torch
+    import transformers
+
+    torch.manual_seed(run_config.train.seed)
+    self.torch = torch
+    self.model = getattr(transformers, counterpart.name)(counterpart.config).float().eval()
+    window = torch.from_numpy(tokens[length : 2 * length + 1].astype("int64"))[None]
+    # The causal LM shifts the labels itself, so it scores L - 1 of the window's tokens.
+    self.inputs = self.labels = window[:, :-1]
+
+  def run(self) -> float:
+    start = time.perf_counter()
+    with self.torch.no_grad():
+      loss = self.model(input_ids=self.inputs, labels=self.labels).loss
+    seconds = time.perf_counter() - start
+    assert bool(self.torch.isfinite(loss))
+    return seconds
+
+
+def benchmark(run_config, lengths, *, repeats: int, compare_hf: bool) -> dict:
+  counterpart = hf_counterpart.hf_counterpart(run_config) if compare_hf else None
+  rows = []
+  for length in lengths:
+    ours = OursEval(run_config, length)
+    start = time.perf_counter()
+    ours.run()  # compiles
+    row = {"length": length, "first_call_seconds": time.perf_counter() - start}
+    hf = TorchEval(run_config, counterpart, ours.tokens, length) if compare_hf else None
+    if hf is not None:
+      hf.run()  # warm-up
+    ours_s, hf_s = [], []
+    for _ in range(repeats):  # alternate, so both see the same machine load
+      ours_s.append(ours.run())
+      if hf is not None:
+        hf_s.append(hf.run())
+    row["tokens_per_sec"] = length / statistics.median(ours_s)
+    if hf is not None:
+      row["hf_tokens_per_sec"] = length / statistics.median(hf_s)
+      row["ratio_to_hf"] = row["tokens_per_sec"] / row["hf_tokens_per_sec"]
+    rows.append(row)
+    print(format_row(row), flush=True)
+  m = run_config.model
+  result = {
+    "shape": f"{m.kind} {m.num_layers}x{m.emb_dim} H{m.num_heads} F{m.mlp_dim} V{m.vocab_size}",
+    "attention": f"{m.attention_impl} (block {m.attention_block})",
+    "rows": rows,
+  }
+  if counterpart is not None:
+    result["hf_model"] = counterpart.name + (f" ({counterpart.note})" if counterpart.note else "")
+  return result
+
+
+HEADER = "| length | ours tokens/s | first call (s) | HF tokens/s | ours / HF |\n|---|---|---|---|---|"
+
+
+def format_row(row: dict) -> str:
+  hf = row.get("hf_tokens_per_sec")
+  return (
+    f"| {row['length']:,} | {row['tokens_per_sec']:,.0f} | {row['first_call_seconds']:.1f} | "
+    + (f"{hf:,.0f} | {row['ratio_to_hf']:.2f}x |" if hf else "- | - |")
+  )
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  config = FLAGS.config
+  lengths = [int(x) for x in FLAGS.lengths]
+  repeats = FLAGS.repeats
+  if FLAGS.smoke:
+    bench_step.apply_overrides(config, SMOKE)
+    lengths, repeats = SMOKE_LENGTHS, 1
+  if FLAGS.compare_hf and (missing := hf_counterpart.missing()):
+    print(f"eval_speed.py: error: {missing}", file=sys.stderr)
+    sys.exit(1)
+  from roformer.infra import cpu_flags
+
+  cpu_flags.set_default_cpu_flags()  # as eval.py does, before JAX starts
+  from roformer import config as config_lib
+
+  try:
+    run_config = bench_step.run_config(config)
+  except config_lib.ConfigError as e:
+    print(f"eval_speed.py: error: {e}", file=sys.stderr)
+    sys.exit(1)
+  if run_config.model.kind != "decoder":
+    print("eval_speed.py: error: model.kind must be 'decoder' (use configs/lm.py)", file=sys.stderr)
+    sys.exit(1)
+  m = run_config.model
+  print(f"{m.kind} {m.num_layers}x{m.emb_dim}, attention {m.attention_impl}, batch 1")
+  print(HEADER, flush=True)
+  try:
+    result = benchmark(run_config, lengths, repeats=repeats, compare_hf=FLAGS.compare_hf)
+  except hf_counterpart.NoCounterpartError as e:
+    print(f"eval_speed.py: error: --compare_hf: {e}", file=sys.stderr)
+    sys.exit(1)
+  if "hf_model" in result:
+    print(f"HF model: transformers.{result['hf_model']}, float32, torch.no_grad()")
+  if FLAGS.json:
+    with open(FLAGS.json, "w") as f:
+      json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+  sys.argv = [a.replace("--compare-hf", "--compare_hf") for a in sys.argv]
+  app.run(main)
