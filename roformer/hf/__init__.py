@@ -4,7 +4,12 @@
 rebuilds a Llama, Mistral, Qwen2 or GPT-NeoX causal LM as its Decoder.
 """
 
-from roformer.hf.checkpoint import OVERRIDABLE_FIELDS, HFConversionError, load_hf_tensors
+from roformer.hf.checkpoint import (
+  OVERRIDABLE_FIELDS,
+  HFConversionError,
+  load_hf_tensors,
+  read_hf_config,
+)
 from roformer.hf.decoders import hf_decoder_config, load_hf_decoder
 from roformer.hf.roformer import (
   HF_ACTIVATIONS,
@@ -25,4 +30,5 @@ __all__ = [
   "load_hf_decoder",
   "load_hf_roformer",
   "load_hf_tensors",
+  "read_hf_config",
 ]
