@@ -6,6 +6,7 @@ name, rule); this module checks shapes, dtypes and finiteness, reports every mis
 tensor at once, and builds the model without a random initialisation.
 """
 
+import dataclasses
 import json
 import pathlib
 from collections.abc import Callable, Mapping
@@ -134,14 +135,21 @@ def mismatch(name: str, array: np.ndarray, expected: np.ndarray, what: str) -> s
   return problem
 
 
+@dataclasses.dataclass
 class Mapped:
-  """The result of `map_params`: our parameters and what went wrong on the way."""
+  """The result of `map_params`: our parameters and what went wrong on the way.
 
-  def __init__(self):
-    self.params: dict[tuple, np.ndarray] = {}
-    self.used: set[str] = set()
-    self.missing: list[str] = []
-    self.problems: list[str] = []
+  Attributes:
+    params: our parameter path -> float32 array in our layout.
+    used: the HF tensor names that filled a parameter or passed a check.
+    missing: HF names the config needs and the checkpoint lacks.
+    problems: one line per mis-shaped, non-float, non-finite or mismatched tensor.
+  """
+
+  params: dict[tuple, np.ndarray] = dataclasses.field(default_factory=dict)
+  used: set[str] = dataclasses.field(default_factory=set)
+  missing: list[str] = dataclasses.field(default_factory=list)
+  problems: list[str] = dataclasses.field(default_factory=list)
 
   def check_derived(self, tensors: Mapping[str, np.ndarray], checks: Mapping) -> None:
     """Checks stored tensors that fill no parameter but must equal what the model computes.

@@ -70,6 +70,13 @@ def test_load_hf_decoder_logits_match_transformers(models, family):
   np.testing.assert_allclose(logits, _reference(family)["logits"], rtol=0, atol=TOL)
 
 
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_blockwise_kernel_on_an_imported_decoder_matches_transformers(family):
+  # Query and key blocks of 4 over 16 positions; Mistral's window runs the banded kernel.
+  model = hf.load_hf_decoder(_dir(family), attention_impl="chunked", attention_block=4)
+  assert _max_error(model, family) < TOL
+
+
 @pytest.mark.parametrize("kind", ["linear", "dynamic"])
 def test_llama_weights_under_other_rope_scalings_match_transformers(tmp_path, kind):
   ref = _reference("llama")
