@@ -67,7 +67,8 @@ _DEFAULTS = {
     rotary_emb_base=10000.0,
   ),
 }
-# HF's num_key_value_heads when absent: Mistral 8, Qwen2 32, else the number of heads.
+# HF's num_key_value_heads when the key is absent: Mistral 8, Qwen2 32; null (or absent
+# elsewhere) means the number of heads.
 _DEFAULT_KV_HEADS = {"mistral": 8, "qwen2": 32}
 _REQUIRED = (
   "vocab_size",
@@ -124,7 +125,7 @@ def hf_decoder_config(hf_config: Mapping, **overrides) -> ModelConfig:
     head_dim, kv_heads, family = hidden // heads, heads, _neox_fields(c, defaults)
   else:
     head_dim = c.get("head_dim") or hidden // heads
-    kv_heads = c.get("num_key_value_heads") or _DEFAULT_KV_HEADS.get(model_type, heads)
+    kv_heads = c.get("num_key_value_heads", _DEFAULT_KV_HEADS.get(model_type)) or heads
     family = _llama_fields(c, defaults, model_type)
   fields = dict(
     kind="decoder",

@@ -137,6 +137,14 @@ def test_older_config_keys_give_the_same_model_config():
   assert hf.hf_decoder_config(neox) == hf.hf_decoder_config(_hf_config("gpt_neox"))
 
 
+def test_num_key_value_heads_absent_takes_hf_default_and_null_the_number_of_heads():
+  llama, mistral = _hf_config("llama"), _hf_config("mistral")
+  del llama["num_key_value_heads"], mistral["num_key_value_heads"]
+  assert hf.hf_decoder_config(llama).num_kv_heads == 4  # LlamaConfig: the number of heads
+  assert hf.hf_decoder_config({**mistral, "num_attention_heads": 8}).num_kv_heads == 8
+  assert hf.hf_decoder_config({**mistral, "num_key_value_heads": None}).num_kv_heads == 4
+
+
 def test_qwen2_sliding_layers_follow_max_window_layers():
   config = {**_hf_config("qwen2"), "use_sliding_window": True, "sliding_window": 5}
   config.update(max_window_layers=1, layer_types=None)
