@@ -38,14 +38,9 @@ from roformer.posenc.config import PosEncConfig, RopeScaling
 from roformer.posenc.rope import rotary_dims
 
 # The HF config defaults of the fields read, per model_type (for keys a config.json leaves out).
-_LLAMA = dict(
-  hidden_act="silu",
-  rms_norm_eps=1e-6,
-  tie_word_embeddings=False,
-  max_position_embeddings=2048,
-  attention_bias=False,
-  mlp_bias=False,
-)
+_SHARED = {"tie_word_embeddings": False, "max_position_embeddings": 2048}
+_LLAMA = {**_SHARED, "hidden_act": "silu", "rms_norm_eps": 1e-6, "attention_bias": False,
+          "mlp_bias": False}  # fmt: skip
 _DEFAULTS = {
   "llama": _LLAMA,
   "mistral": {**_LLAMA, "max_position_embeddings": 4096 * 32, "sliding_window": 4096},
@@ -56,16 +51,15 @@ _DEFAULTS = {
     "sliding_window": 4096,
     "max_window_layers": 28,
   },
-  "gpt_neox": dict(
-    hidden_act="gelu",
-    layer_norm_eps=1e-5,
-    tie_word_embeddings=False,
-    max_position_embeddings=2048,
-    use_parallel_residual=True,
-    attention_bias=True,
-    rotary_pct=0.25,
-    rotary_emb_base=10000.0,
-  ),
+  "gpt_neox": {
+    **_SHARED,
+    "hidden_act": "gelu",
+    "layer_norm_eps": 1e-5,
+    "use_parallel_residual": True,
+    "attention_bias": True,
+    "rotary_pct": 0.25,
+    "rotary_emb_base": 10000.0,
+  },
 }
 # HF's num_key_value_heads when the key is absent: Mistral 8, Qwen2 32; null (or absent
 # elsewhere) means the number of heads.
