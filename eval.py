@@ -3,6 +3,7 @@
 The logic lives in roformer/evals/ (ppl_vs_length.py, task_vs_length.py, perplexity.py).
 
   python eval.py --workdir=DIR [--lengths=256,512] [--protocol=both] [--rope_scaling=yarn ...]
+  python eval.py --hf_model=HF_DIR [--workdir=OUT] [--lengths=...]   # a Hugging Face causal LM
   python eval.py --compare=DIR1,DIR2 --plot=FILE.png
   python eval.py --workdir=DIR --task_lengths=8,32,256   # synthetic-task runs: accuracy vs length
   python eval.py --compare=DIR1,DIR2 --plot=FILE.png --out=task_vs_length
@@ -15,6 +16,13 @@ from absl import app, flags, logging
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", None, "Run directory to evaluate (its config.json and checkpoints).")
+flags.DEFINE_string(
+  "hf_model",
+  "",
+  "A Hugging Face Llama/Mistral/Qwen2/GPT-NeoX directory (config.json, safetensors, "
+  "tokenizer.json) evaluated instead of a run; its max_position_embeddings is the training "
+  "length. Results go to --workdir if given, else HF_DIR/eval/.",
+)
 flags.DEFINE_list("lengths", [], "Window lengths; default: training length to 16x, powers of 2.")
 flags.DEFINE_enum("protocol", "both", ["nonoverlapping", "sliding", "both"], "Window protocol.")
 flags.DEFINE_integer("stride", 0, "Sliding-window stride; 0 = length / 4.")
@@ -27,7 +35,11 @@ flags.DEFINE_integer(
 flags.DEFINE_enum("split", "validation", ["validation", "test"], "Split of the run's corpus.")
 flags.DEFINE_integer("step", None, "Checkpoint step; default the latest.")
 flags.DEFINE_integer("batch_size", 0, "Windows per batch; 0 = about 16k tokens per batch.")
-flags.DEFINE_string("rope_scaling", "none", "RoPE scaling applied at evaluation (RoPE runs).")
+flags.DEFINE_string(
+  "rope_scaling",
+  "none",
+  "RoPE scaling applied at evaluation (RoPE runs); it replaces an imported model's own.",
+)
 flags.DEFINE_string(
   "rope_factor", "1", "Factor of --rope_scaling, or 'auto' = each length / training length."
 )
@@ -58,9 +70,9 @@ flags.DEFINE_integer(
 
 # Flags that only evaluating one --workdir reads (an error with --compare).
 WORKDIR_FLAGS = (
-  "workdir", "lengths", "protocol", "stride", "max_tokens", "split", "step", "batch_size",
-  "rope_scaling", "rope_factor", "window", "bca", "data_files", "overwrite", "task_lengths",
-  "task_examples", "position_draws",
+  "workdir", "hf_model", "lengths", "protocol", "stride", "max_tokens", "split", "step",
+  "batch_size", "rope_scaling", "rope_factor", "window", "bca", "data_files", "overwrite",
+  "task_lengths", "task_examples", "position_draws",
 )  # fmt: skip
 # --overwrite is read by both modes: --workdir's JSON and PNG, --compare's --plot.
 
@@ -82,6 +94,12 @@ def _check_flag_combinations() -> None:
     raise ValueError(f"--rope_factor={FLAGS.rope_factor} needs --rope_scaling=KIND")
   if given("stride") and FLAGS.protocol == "nonoverlapping":
     raise ValueError("--stride sets sliding windows; it is not read with --protocol=nonoverlapping")
+  if FLAGS.hf_model:
+    for name in ("step", "task_lengths"):
+      if given(name):
+        raise ValueError(
+          f"--{name} is not read with --hf_model (one set of weights, perplexity evaluation)"
+        )
 
 
 def main(argv):
@@ -106,8 +124,10 @@ def main(argv):
         path = plots.compare_runs(FLAGS.compare, FLAGS.plot, name=FLAGS.out or plots.DEFAULT_NAME)
       print(f"wrote {path}")
       return
-    if FLAGS.workdir is None:
-      raise ValueError("give --workdir=DIR (or --compare=DIR1,DIR2 --plot=FILE.png)")
+    if FLAGS.workdir is None and not FLAGS.hf_model:
+      raise ValueError(
+        "give --workdir=DIR or --hf_model=HF_DIR (or --compare=DIR1,DIR2 --plot=FILE.png)"
+      )
     from roformer.infra import cpu_flags
 
     cpu_flags.set_default_cpu_flags()  # before JAX starts
@@ -152,11 +172,12 @@ def main(argv):
       position_draws=FLAGS.position_draws,
     )
     ppl_vs_length.evaluate_workdir(
-      FLAGS.workdir,
+      FLAGS.workdir or FLAGS.hf_model,
       spec,
       step=FLAGS.step,
       overwrite=FLAGS.overwrite,
       log=lambda line: print(line, flush=True),
+      hf_model=FLAGS.hf_model,
     )
   except (ValueError, FileNotFoundError, FileExistsError) as e:
     # Bad input (config, data, missing checkpoint) is one clear line and exit 1, no traceback.

@@ -4,8 +4,8 @@ torch AdamW train step for it (throughput.py --compare_hf, profile_step.py --tor
 - encoder (MLM): RoFormerForMaskedLM;
 - Llama-style decoder (model.activation=swiglu, model.norm=rmsnorm): LlamaForCausalLM (SDPA
   attention, rope_theta = posenc.max_wavelength);
-- the default decoder block (gelu, layernorm, biases): GPTNeoXForCausalLM (sequential residual,
-  exact GELU, SDPA, rotary_pct = posenc.rope_fraction).
+- the default decoder block (gelu, layernorm, biases): GPTNeoXForCausalLM (use_parallel_residual
+  = model.parallel_residual, exact GELU, SDPA, rotary_pct = posenc.rope_fraction).
 
 torch and transformers are optional: nothing here imports them before it is called.
 """
@@ -40,7 +40,8 @@ def _needs(m, **fields) -> list[str]:
 
 
 def _llama_mismatches(m) -> list[str]:
-  needs = _needs(m, activation="swiglu", norm="rmsnorm")
+  # Llama biases all of q/k/v/o or none, and runs attention and MLP one after the other.
+  needs = _needs(m, activation="swiglu", norm="rmsnorm", qkv_bias=False, parallel_residual=False)
   if m.dropout_rate:  # Llama drops attention probabilities only, not the residual branches
     needs += _needs(m, dropout_rate=0.0)
   return needs
@@ -144,7 +145,7 @@ def _neox_config(run_config):
     rotary_emb_base=base,
     max_position_embeddings=run_config.data.seq_len,
     layer_norm_eps=m.norm_eps,
-    use_parallel_residual=False,  # sequential pre-LN blocks, as ours
+    use_parallel_residual=m.parallel_residual,
     attention_dropout=m.dropout_rate,
     hidden_dropout=m.dropout_rate,
     tie_word_embeddings=m.tie_embeddings,

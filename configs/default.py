@@ -49,6 +49,11 @@ def get_config() -> ml_collections.ConfigDict:
   model.pre_norm = False
   # Whether dense layers have biases.
   model.use_bias = True
+  # Biases on the query, key and value projections only, with use_bias=False (Qwen2's layout).
+  model.qkv_bias = False
+  # Pre-LN blocks computing x + attn(norm1(x)) + mlp(norm2(x)): attention and MLP in parallel,
+  # both reading the block's input (GPT-J, GPT-NeoX / Pythia). Encoders need pre_norm=True.
+  model.parallel_residual = False
   # Share the input embedding with the output projection.
   model.tie_embeddings = True
   # Width of the token embeddings: 0 = emb_dim; otherwise they are projected up to emb_dim.

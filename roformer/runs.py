@@ -3,17 +3,21 @@
 Evaluation (roformer/evals/) and generation (roformer/generate.py) read a run through this module:
 the run's config.json, the model restored from a checkpoint onto this machine's devices, and the
 evaluation-time changes that keep the parameters (a RoPE scaling, an attention window, a
-blockwise kernel).
+blockwise kernel). A Hugging Face causal LM directory opens as a run too (`open_hf_model`).
 """
 
 import dataclasses
 from typing import Any
 
+import jax
 from etils import epath
 from flax import nnx
 
 from roformer import config as config_lib
+from roformer import hf
 from roformer.config import RunConfig
+from roformer.data.config import DataConfig
+from roformer.data.tokenizer import TOKENIZER_FILE
 from roformer.errors import ConfigError
 from roformer.infra import checkpoint, sharding
 from roformer.nn import config as nn_config
@@ -133,3 +137,44 @@ def restore_for_eval(workdir, run_config, model_cfg, *, step: int | None = None)
   """
   run_config = dataclasses.replace(run_config, model=model_cfg)
   return restore_model(workdir, step=step, run_config=run_config)
+
+
+def open_hf_model(path) -> tuple[RunConfig, Any]:
+  """A Hugging Face causal LM directory opened as a finished run: (its RunConfig, its Decoder).
+
+  The RunConfig holds the library's defaults but for the imported model (`hf.load_hf_decoder`),
+  the directory's tokenizer.json as data.tokenizer, and the checkpoint's context length
+  (config.json max_position_embeddings) as data.seq_len: the "training length" of the default
+  evaluation lengths, of `--rope_factor=auto` and of a scaling's original length. The parameters
+  are placed over this machine's devices as a restored run's are.
+
+  Raises:
+    ConfigError: no tokenizer.json or max_position_embeddings, or a config.json field or tensor
+      the importer refuses (`hf.HFConversionError`), naming it.
+  """
+  path = epath.Path(path)
+  tokenizer = path / TOKENIZER_FILE
+  if not tokenizer.exists():
+    raise ConfigError(
+      f"--hf_model={path} has no {TOKENIZER_FILE}: its tokenizer is the one evaluated with "
+      "(save it with the model's tokenizer.save_pretrained)"
+    )
+  seq_len = int(hf.read_hf_config(path).get("max_position_embeddings") or 0)
+  if seq_len < 1:
+    raise ConfigError(f"--hf_model={path}: config.json has no max_position_embeddings")
+  model = hf.load_hf_decoder(path)
+  run_config = RunConfig(
+    model=model.cfg,
+    data=DataConfig(tokenizer=str(tokenizer), seq_len=seq_len),
+    optim=config_lib.OptimConfig(),
+    train=config_lib.TrainConfig(),
+    mesh=config_lib.MeshConfig(),
+  )
+  mesh = eval_mesh(run_config)
+  make = lambda: model_lib.make_model(model.cfg, rngs=nnx.Rngs(0))  # noqa: E731
+  graphdef, abstract = sharding.abstract_state(make, mesh, sharding.axis_rules(run_config.mesh))
+  # The same tree in the same order: each array goes where the abstract state says.
+  targets, treedef = jax.tree.flatten(abstract)
+  values = jax.tree.leaves(nnx.state(model))
+  placed = [jax.device_put(v, t.sharding) for v, t in zip(values, targets, strict=True)]
+  return run_config, nnx.merge(graphdef, jax.tree.unflatten(treedef, placed))

@@ -23,7 +23,7 @@ ALLOWED = {
   "nn": {"posenc", "errors"},
   "hf": {"nn", "posenc", "errors"},
   "config": {"nn", "data", "posenc", "infra.sharding", "infra.workdir", "errors"},
-  "runs": {"config", "infra", "nn", "data", "posenc", "errors"},
+  "runs": {"config", "infra", "nn", "data", "posenc", "hf", "errors"},
   "generate": {"runs", "config", "nn", "data", "posenc", "errors"},
   "evals": {"runs", "config", "infra", "nn", "data", "posenc", "errors"},
   "train": {"config", "infra", "data", "nn", "posenc", "hf", "evals.perplexity", "errors"},

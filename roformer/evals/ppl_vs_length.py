@@ -107,22 +107,31 @@ def evaluate_workdir(
   step: int | None = None,
   overwrite: bool = False,
   log: Callable[[str], None] = print,
+  hf_model: str = "",
 ) -> tuple[dict, epath.Path]:
   """Evaluates a run's checkpoint as `spec` asks; writes DIR/eval/NAME.json and NAME.png.
 
   Args:
-    workdir: the run's workdir.
+    workdir: the run's workdir; with `hf_model`, the directory the results go to.
     spec: what to evaluate (lengths, protocols, tokens, overrides); None = EvalSpec().
     step: checkpoint step; None = latest.
     overwrite: replace an existing DIR/eval/NAME.json (else that is an error, before any work).
     log: where progress lines go.
+    hf_model: a Hugging Face causal LM directory evaluated instead of a run's checkpoint
+      (`runs.open_hf_model`: its tokenizer.json, its max_position_embeddings as the training
+      length); its JSON records "step" 0 and "hf_model", the directory.
 
   Returns:
     (the JSON dict written, the JSON path).
   """
   spec = spec or EvalSpec()
   workdir = epath.Path(workdir_lib.resolve(str(workdir)))
-  run_config = config_lib.load_run_config(workdir)
+  if hf_model:
+    if step is not None:
+      raise ValueError("--step selects a run's checkpoint; --hf_model has one set of weights")
+    run_config, hf_decoder = runs.open_hf_model(workdir_lib.resolve(hf_model, flag="--hf_model"))
+  else:
+    run_config = config_lib.load_run_config(workdir)
   seq_len = run_config.data.seq_len
   if spec.bca and run_config.model.kind != "decoder":
     raise ValueError("--bca (blockwise causal attention) applies to decoders only")
@@ -148,12 +157,17 @@ def evaluate_workdir(
     )
 
   model_cfg = config_at(lengths[0])
-  model, step = runs.restore_for_eval(workdir, run_config, model_cfg, step=step)
+  if hf_model:
+    model, step = runs.with_config(hf_decoder, model_cfg), 0
+  else:
+    model, step = runs.restore_for_eval(workdir, run_config, model_cfg, step=step)
   tokens, tokenizer = load_eval_tokens(
     run_config, workdir, split=spec.split, data_files=spec.data_files
   )
+  _check_vocabulary(tokens, model_cfg.vocab_size, run_config.data.tokenizer)
   log(
-    f"evaluating {workdir} step {step} ({model_cfg.kind}, posenc {model_cfg.posenc.kind}) on "
+    f"evaluating {hf_model or workdir} step {step} ({model_cfg.kind}, posenc "
+    f"{model_cfg.posenc.kind}) on "
     f"{len(tokens):,} tokens of {spec.data_files or spec.split}: lengths {lengths}, "
     f"{', '.join(spec.protocols)}"
   )
@@ -202,6 +216,8 @@ def evaluate_workdir(
     "records": records,
     "per_position": _per_position(position_scores),
   }
+  if hf_model:
+    result["hf_model"] = str(hf_model)
   json_path = results.write_result(result, json_path)
   png_path = plots.plot_runs(
     [(plots.run_label(workdir.name, result), result, seq_len)],
@@ -210,6 +226,17 @@ def evaluate_workdir(
   )
   log(f"wrote {json_path} and {png_path}")
   return result, json_path
+
+
+def _check_vocabulary(tokens, vocab_size: int, tokenizer: str) -> None:
+  """Refuses token ids the model has no embedding for (an imported model's tokenizer may lack a
+  special token the evaluation joins documents with, e.g. its end-of-text under another name)."""
+  if len(tokens) and int(tokens.max()) >= vocab_size:
+    raise ValueError(
+      f"the tokenizer ({tokenizer}) gives id {int(tokens.max())}, beyond the model's vocabulary "
+      f"of {vocab_size}: a special token it lacks was added (see the log), or it is another "
+      "model's tokenizer"
+    )
 
 
 def _evaluate_length(model, tokens, tokenizer, run_config, spec, length, proto, max_length, log,

@@ -45,6 +45,11 @@ class ModelConfig:
   # Encoder only: False = post-LN (BERT/RoFormer); decoders are always pre-LN.
   pre_norm: bool = False
   use_bias: bool = True
+  # Biases on the query, key and value projections only (Qwen2); use_bias=True already has them.
+  qkv_bias: bool = False
+  # Pre-LN blocks computing x + attn(norm1(x)) + mlp(norm2(x)) (GPT-J, GPT-NeoX / Pythia): the MLP
+  # reads the block's input, not the attention's output.
+  parallel_residual: bool = False
   tie_embeddings: bool = True
   embedding_size: int = 0  # 0 = emb_dim; else embeddings are projected up (HF `embeddings_project`)
   type_vocab_size: int = 0  # 0 = no token-type embeddings (HF RoFormer has 2)
@@ -152,6 +157,16 @@ def validate_model(cfg: ModelConfig) -> None:
     raise ValueError(
       f"model.type_vocab_size={cfg.type_vocab_size} is only supported for model.kind='encoder'; "
       "use 0 for decoders"
+    )
+  if cfg.qkv_bias and cfg.use_bias:
+    raise ValueError(
+      "model.qkv_bias=True adds biases to the query, key and value projections only; "
+      "model.use_bias=True already gives every dense layer one: set one of them False"
+    )
+  if cfg.parallel_residual and cfg.kind == "encoder" and not cfg.pre_norm:
+    raise ValueError(
+      "model.parallel_residual=True needs pre-LN blocks (each branch normalises the block's "
+      "input); an encoder needs model.pre_norm=True for it"
     )
   _check_windows(cfg)
   attention = ATTENTIONS[cfg.attention]

@@ -279,7 +279,8 @@ def _run_layers(model, x_BLD, positions_BL, rotary_state, *, segment_ids_BL=None
 
 
 class Block(nnx.Module):
-  """Attention + MLP sublayers with residuals; post-LN (BERT/RoFormer) or pre-LN.
+  """Attention + MLP sublayers with residuals; post-LN (BERT/RoFormer) or pre-LN, sequential or
+  (`model.parallel_residual`, pre-LN only) parallel: x + attn(norm1(x)) + mlp(norm2(x)).
 
   The output projection and the MLP run over sequence blocks of `cfg.attention_block` when L is
   longer, updating the residual stream in place, so activation memory stays O(L * D), not
@@ -291,6 +292,7 @@ class Block(nnx.Module):
     self, cfg: ModelConfig, *, causal: bool, pre_norm: bool, window: int = 0, rngs: nnx.Rngs
   ):
     self.pre_norm = pre_norm
+    self.parallel_residual = cfg.parallel_residual
     self.dropout_rate = cfg.dropout_rate
     self.seq_block = cfg.attention_block
     self.attn_norm = _norm(cfg, cfg.emb_dim, rngs)
@@ -339,6 +341,11 @@ class Block(nnx.Module):
   def _out_and_mlp(self, key, o_BLHK, x_BLD):
     # Over the tokens as one axis (layers.tokens); dropout draws the same masks either way.
     o_NHK, x_ND = _tokens(o_BLHK), _tokens(x_BLD)
+    if self.parallel_residual:
+      # Both branches read the block's input; validation guarantees pre-LN here.
+      attn_ND = _dropout(self.attn.out(o_NHK), self.dropout_rate, fold(key, _OUT))
+      mlp_ND = _dropout(self.mlp(self.mlp_norm(x_ND)), self.dropout_rate, fold(key, _MLP))
+      return (x_ND + attn_ND + mlp_ND).reshape(x_BLD.shape)
     x_ND = x_ND + _dropout(self.attn.out(o_NHK), self.dropout_rate, fold(key, _OUT))
     if not self.pre_norm:
       x_ND = self.attn_norm(x_ND)

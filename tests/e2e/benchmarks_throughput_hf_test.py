@@ -132,8 +132,12 @@ def _copy_neox(ours, hf):
 
 @pytest.mark.parametrize(
   "overrides, copy",
-  [({**LLAMA, **TINY, "model.mlp_dim": 88}, _copy_llama), ({**NEOX, **TINY}, _copy_neox)],
-  ids=["llama", "neox"],
+  [
+    ({**LLAMA, **TINY, "model.mlp_dim": 88}, _copy_llama),
+    ({**NEOX, **TINY}, _copy_neox),
+    ({**NEOX, **TINY, "model.parallel_residual": True}, _copy_neox),
+  ],
+  ids=["llama", "neox", "neox_parallel_residual"],
 )
 def test_hf_decoder_loss_at_step_0_equals_ours_with_the_same_weights(overrides, copy):
   from roformer.train import step as step_lib
@@ -156,4 +160,10 @@ def test_hf_decoder_loss_at_step_0_equals_ours_with_the_same_weights(overrides, 
 def test_decoder_neither_family_reproduces_is_refused_naming_the_field():
   run_config = _run_config({**TINY, "model.activation": "swiglu"})  # SwiGLU with LayerNorm
   with pytest.raises(hf_counterpart.NoCounterpartError, match=r"model\.norm='rmsnorm'"):
+    hf_counterpart.hf_counterpart(run_config)
+
+
+def test_llama_shaped_decoder_with_qkv_biases_alone_is_refused_naming_the_field():
+  run_config = _run_config({**LLAMA, **TINY, "model.use_bias": False, "model.qkv_bias": True})
+  with pytest.raises(hf_counterpart.NoCounterpartError, match=r"model\.qkv_bias=False"):
     hf_counterpart.hf_counterpart(run_config)

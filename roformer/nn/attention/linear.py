@@ -122,7 +122,8 @@ class LinearAttention(Attention):
     del window  # rejected by check_config
     return cls(
       cfg.emb_dim, cfg.num_heads, head_dim, num_kv_heads=num_kv_heads, causal=causal,
-      use_bias=cfg.use_bias, block=cfg.attention_block, feature_map=cfg.linear_feature_map,
+      use_bias=cfg.use_bias, qkv_bias=cfg.use_bias or cfg.qkv_bias, block=cfg.attention_block,
+      feature_map=cfg.linear_feature_map,
       dtype=dtype, param_dtype=param_dtype, rngs=rngs,
     )  # fmt: skip
 

@@ -99,6 +99,11 @@ class MLAttention(nnx.Module):
         f"model.attention='mla' needs model.kv_lora_rank > 0 and model.qk_rope_head_dim > 0, "
         f"got {cfg.kv_lora_rank} and {cfg.qk_rope_head_dim}"
       )
+    if cfg.qkv_bias:
+      raise ValueError(
+        "model.qkv_bias=True biases separate query/key/value projections, which "
+        "model.attention='mla' does not have (it projects a joint latent); use model.use_bias"
+      )
     if cfg.num_kv_heads not in (0, cfg.num_heads):
       raise ValueError(
         f"model.num_kv_heads={cfg.num_kv_heads} does not apply to model.attention='mla' (keys "

@@ -37,6 +37,8 @@ class Attention(nnx.Module):
   Parameters (logical axes): query.kernel [D, H, K] ('embed', 'heads', 'kv'), key.kernel and
   value.kernel [D, G, K], out.kernel [H, K, D] ('heads', 'kv', 'embed'); with `use_bias`,
   query.bias [H, K] and key/value.bias [G, K] ('heads', 'kv') and out.bias [D] ('embed',).
+  `qkv_bias` (None = `use_bias`) sets the query/key/value biases alone, as Qwen2 has them
+  without an output bias.
   """
 
   def __init__(
@@ -48,6 +50,7 @@ class Attention(nnx.Module):
     num_kv_heads: int = 0,
     causal: bool,
     use_bias: bool = True,
+    qkv_bias: bool | None = None,
     dropout_rate: float = 0.0,
     impl: str = "auto",
     block: int = 512,
@@ -77,16 +80,17 @@ class Attention(nnx.Module):
     common = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     hk_bias = nnx.with_partitioning(nnx.initializers.zeros, ("heads", "kv"))
     qkv_init = kernel_init(0, (1, 2), ("embed", "heads", "kv"))
+    qkv_bias = use_bias if qkv_bias is None else qkv_bias
     self.query = nnx.Einsum(
-      "...D,DHK->...HK", (D, H, K), (H, K) if use_bias else None,
+      "...D,DHK->...HK", (D, H, K), (H, K) if qkv_bias else None,
       kernel_init=qkv_init, bias_init=hk_bias, **common,
     )  # fmt: skip
     self.key = nnx.Einsum(
-      "...D,DGK->...GK", (D, G, K), (G, K) if use_bias else None,
+      "...D,DGK->...GK", (D, G, K), (G, K) if qkv_bias else None,
       kernel_init=qkv_init, bias_init=hk_bias, **common,
     )  # fmt: skip
     self.value = nnx.Einsum(
-      "...D,DGK->...GK", (D, G, K), (G, K) if use_bias else None,
+      "...D,DGK->...GK", (D, G, K), (G, K) if qkv_bias else None,
       kernel_init=qkv_init, bias_init=hk_bias, **common,
     )  # fmt: skip
     self.out = nnx.Einsum(
@@ -99,7 +103,8 @@ class Attention(nnx.Module):
   def from_config(cls, cfg, *, head_dim, num_kv_heads, causal, window, dtype, param_dtype, rngs):
     return cls(
       cfg.emb_dim, cfg.num_heads, head_dim, num_kv_heads=num_kv_heads, causal=causal,
-      use_bias=cfg.use_bias, dropout_rate=cfg.dropout_rate, impl=cfg.attention_impl,
+      use_bias=cfg.use_bias, qkv_bias=cfg.use_bias or cfg.qkv_bias,
+      dropout_rate=cfg.dropout_rate, impl=cfg.attention_impl,
       block=cfg.attention_block, window=window, window_kind=cfg.attention_window_kind,
       global_tokens=cfg.global_tokens, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
     )  # fmt: skip

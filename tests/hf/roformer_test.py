@@ -1,4 +1,4 @@
-"""Tests of roformer/hf.py against a tiny HF RoFormerForMaskedLM saved in tests/fixtures/."""
+"""Tests of roformer/hf/roformer.py against a tiny HF RoFormerForMaskedLM in tests/fixtures/."""
 
 import json
 import pathlib
@@ -16,7 +16,7 @@ from roformer import hf
 from roformer.nn.model import Encoder
 from roformer.posenc.config import PosEncConfig
 
-FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "hf_roformer_tiny"
+FIXTURE = pathlib.Path(__file__).parent.parent / "fixtures" / "hf_roformer_tiny"
 TOL = 1e-4
 
 

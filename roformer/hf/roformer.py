@@ -4,19 +4,23 @@
 and returns a callable that gives the same MLM logits as the HF model in eval mode.
 """
 
-import json
-import pathlib
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes  # importing it registers bfloat16 with numpy; safetensors then reads bf16
 import numpy as np
 from flax import nnx
-from safetensors.numpy import load_file as _load_numpy
 
+from roformer.hf.checkpoint import (
+  HFConversionError,
+  abstract_params,
+  check_overrides,
+  fill_model,
+  load_hf_tensors,
+  map_params,
+  read_hf_config,
+)
 from roformer.nn.config import ModelConfig
-from roformer.nn.model import DTYPES, make_model
 from roformer.posenc.config import PosEncConfig
 
 # HF `hidden_act` -> model.activation. Only the exact (erf) GELU matches the Encoder, whose MLP and
@@ -42,22 +46,8 @@ _HF_REQUIRED = (
   "num_attention_heads",
   "intermediate_size",
 )
-# ModelConfig fields that change no parameter, so they may differ from the checkpoint's.
-OVERRIDABLE_FIELDS = (
-  "dtype",
-  "param_dtype",
-  "attention_impl",
-  "attention_block",
-  "attention_window",
-  "dropout_rate",
-  "posenc",
-)
 # HF RoFormer's sinusoidal table always uses base 10000 (it is not a config field).
 _HF_ROPE_BASE = 10000.0
-
-
-class HFConversionError(ValueError):
-  """A checkpoint this importer cannot convert faithfully (the message says which part and why)."""
 
 
 # ---- Config ----
@@ -68,7 +58,7 @@ def hf_config_to_model_config(hf_config: Mapping, **overrides) -> ModelConfig:
 
   Args:
     hf_config: the parsed config.json of a RoFormer checkpoint.
-    **overrides: ModelConfig fields that change no parameter (OVERRIDABLE_FIELDS), e.g.
+    **overrides: ModelConfig fields that change no parameter (`checkpoint.OVERRIDABLE_FIELDS`), e.g.
       `dtype="bfloat16"` or a `posenc` with a RoPE scaling for evaluation at longer lengths.
 
   Returns:
@@ -105,11 +95,7 @@ def hf_config_to_model_config(hf_config: Mapping, **overrides) -> ModelConfig:
       f"config.json hidden_size={c['hidden_size']} is not divisible by "
       f"num_attention_heads={c['num_attention_heads']}"
     )
-  unknown = sorted(set(overrides) - set(OVERRIDABLE_FIELDS))
-  if unknown:
-    raise HFConversionError(
-      f"cannot override {unknown} when loading a checkpoint; allowed: {list(OVERRIDABLE_FIELDS)}"
-    )
+  check_overrides(overrides)
   hidden = c["hidden_size"]
   embedding_size = c.get("embedding_size") or hidden
   fields = dict(
@@ -140,53 +126,11 @@ def hf_config_to_model_config(hf_config: Mapping, **overrides) -> ModelConfig:
 # ---- Tensors ----
 
 
-def load_hf_tensors(path) -> dict[str, np.ndarray]:
-  """All tensors of `path`/model.safetensors (or its sharded index), as numpy arrays.
-
-  Arrays keep their stored dtype (bfloat16 as `ml_dtypes.bfloat16`). The LayerNorm `gamma`/`beta`
-  names of old BERT-style exports become `weight`/`bias`.
-  """
-  path = pathlib.Path(path)
-  index = path / "model.safetensors.index.json"
-  if index.exists():
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-  elif (path / "model.safetensors").exists():
-    files = ["model.safetensors"]
-  else:
-    found = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
-    raise HFConversionError(
-      f"no model.safetensors (or model.safetensors.index.json) in {path}; found {found}. "
-      "Re-save the model with transformers' save_pretrained (safetensors) first"
-    )
-  tensors = {}
-  for name in files:
-    for key, value in _load_numpy(path / name).items():
-      if key.endswith(".gamma"):
-        key = key[: -len("gamma")] + "weight"
-      elif key.endswith(".beta"):
-        key = key[: -len("beta")] + "bias"
-      tensors[key] = value
-  return tensors
-
-
 def _hf_sinusoidal_table(num_positions: int, head_dim: int) -> np.ndarray:
   """HF RoFormer's `embed_positions` table [P, K]: [sin(p theta_0..) | cos(p theta_0..)]."""
   theta_k = _HF_ROPE_BASE ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
   angle_PK = np.arange(num_positions, dtype=np.float64)[:, None] * theta_k[None, :]
   return np.concatenate([np.sin(angle_PK), np.cos(angle_PK)], axis=1)
-
-
-# How an HF tensor becomes one of our parameters: (HF shape from our shape, conversion).
-# torch Linear stores weight [out, in]; flax kernels are [in, out]. HF splits the q/k/v output
-# features (and the attention-output input features) as head * head_dim + k.
-_Rule = tuple[Callable[[tuple], tuple], Callable[[np.ndarray, tuple], np.ndarray]]
-_RULES: dict[str, _Rule] = {
-  "copy": (lambda s: s, lambda a, s: a),
-  "linear": (lambda s: s[::-1], lambda a, s: a.T),
-  "heads_in": (lambda s: (s[1] * s[2], s[0]), lambda a, s: a.T.reshape(s)),
-  "heads_bias": (lambda s: (s[0] * s[1],), lambda a, s: a.reshape(s)),
-  "heads_out": (lambda s: (s[2], s[0] * s[1]), lambda a, s: a.T.reshape(s)),
-}
 
 
 def _param_sources(cfg: ModelConfig) -> dict[tuple, tuple[str, str]]:
@@ -226,21 +170,6 @@ def _param_sources(cfg: ModelConfig) -> dict[tuple, tuple[str, str]]:
   return src
 
 
-def _is_float(dtype) -> bool:
-  # bfloat16 is not a numpy floating subtype, so np.issubdtype alone would reject it.
-  return np.issubdtype(dtype, np.floating) or dtype == ml_dtypes.bfloat16
-
-
-def _tensor_problem(name: str, array: np.ndarray, hf_shape: tuple) -> str | None:
-  if array.shape != tuple(hf_shape):
-    return f"{name} has shape {array.shape}, the config needs {tuple(hf_shape)}"
-  if not _is_float(array.dtype):
-    return f"{name} has dtype {array.dtype}, expected a float dtype"
-  if not np.isfinite(array.astype(np.float32)).all():
-    return f"{name} contains NaN or inf values"
-  return None
-
-
 def hf_tensors_to_params(
   tensors: Mapping[str, np.ndarray],
   cfg: ModelConfig,
@@ -263,28 +192,11 @@ def hf_tensors_to_params(
     HFConversionError: naming every missing, mis-shaped, non-finite or unused tensor.
   """
   sources = _param_sources(cfg)
-  used, missing, problems, params = set(), [], [], {}
-
   # The checkpoint stores the decoder tied to the word embeddings and its bias tied to
   # cls.predictions.bias; some exports keep only one name of a tied pair.
   if "cls.predictions.bias" not in tensors and "cls.predictions.decoder.bias" in tensors:
     sources[("head_bias",)] = ("cls.predictions.decoder.bias", "copy")
-
-  for path, shape in param_shapes.items():
-    if path not in sources:
-      problems.append(f"model parameter {'.'.join(map(str, path))} has no HF counterpart")
-      continue
-    name, rule = sources[path]
-    hf_shape, convert = _RULES[rule]
-    if name not in tensors:
-      missing.append(name)
-      continue
-    used.add(name)
-    problem = _tensor_problem(name, tensors[name], hf_shape(shape))
-    if problem:
-      problems.append(problem)
-    else:
-      params[path] = convert(np.asarray(tensors[name], dtype=np.float32), shape)
+  mapped = map_params(tensors, sources, param_shapes)
 
   # Tensors that carry no parameter of ours but must agree with what the Encoder computes.
   checks = {
@@ -302,36 +214,9 @@ def hf_tensors_to_params(
       lambda: tensors.get("roformer.embeddings.word_embeddings.weight"),
       "roformer.embeddings.word_embeddings.weight (tie_word_embeddings=True)",
     )
-  for name, (expected_fn, what) in checks.items():
-    if name not in tensors or name in used:
-      continue
-    used.add(name)
-    expected = expected_fn()
-    if expected is None:
-      continue
-    array = tensors[name]
-    problem = _tensor_problem(name, array, expected.shape)
-    if problem is None:
-      # Compared at the stored precision: a bfloat16 checkpoint holds a rounded table.
-      rounded = np.asarray(expected).astype(array.dtype).astype(np.float32)
-      if not np.allclose(array.astype(np.float32), rounded, rtol=0, atol=1e-5):
-        problem = f"{name} differs from {what}"
-    if problem:
-      problems.append(problem)
-
-  if missing:
-    raise HFConversionError(
-      f"the checkpoint lacks {len(missing)} tensor(s) that the config needs: {missing}"
-    )
-  unused = sorted(set(tensors) - used)
-  if unused:
-    problems.append(
-      f"{len(unused)} tensor(s) have no place in the Encoder (unsupported checkpoint or "
-      f"config mismatch): {unused}"
-    )
-  if problems:
-    raise HFConversionError("cannot convert the checkpoint: " + "; ".join(problems))
-  return params
+  mapped.check_derived(tensors, checks)
+  mapped.raise_if_bad(tensors, "Encoder")
+  return mapped.params
 
 
 # ---- Model ----
@@ -399,25 +284,10 @@ def load_hf_roformer(path, **overrides) -> HFRoFormer:
     HFConversionError: for an unsupported config (rotary_value, hidden_act, decoder) or a
       missing, mis-shaped, non-finite or unused tensor, naming it.
   """
-  path = pathlib.Path(path)
-  config_file = path / "config.json"
-  if not config_file.exists():
-    raise HFConversionError(f"no config.json in {path}")
-  hf_config = json.loads(config_file.read_text())
+  hf_config = read_hf_config(path)
   cfg = hf_config_to_model_config(hf_config, **overrides)
   tensors = load_hf_tensors(path)
-
-  # Abstract model: the parameter tree and shapes without paying for a random initialisation.
-  graphdef, state = nnx.split(nnx.eval_shape(lambda: make_model(cfg, rngs=nnx.Rngs(0))))
-  flat = nnx.to_flat_state(state)
-  others = [".".join(map(str, p)) for p, v in flat if not isinstance(v, nnx.Param)]
-  if others:
-    raise HFConversionError(f"the model has non-parameter state {others} that no HF tensor fills")
-  param_shapes = {p: tuple(v.get_value().shape) for p, v in flat}
+  graphdef, flat, param_shapes = abstract_params(cfg)
   max_len = {**_HF_DEFAULTS, **hf_config}["max_position_embeddings"]
   params = hf_tensors_to_params(tensors, cfg, param_shapes, max_position_embeddings=max_len)
-  param_dtype = DTYPES[cfg.param_dtype]
-  for p, v in flat:
-    v.set_value(jnp.asarray(params[p], dtype=param_dtype))
-  model = nnx.merge(graphdef, nnx.from_flat_state(flat))
-  return HFRoFormer(model, cfg, max_len)
+  return HFRoFormer(fill_model(graphdef, flat, params, cfg), cfg, max_len)
