@@ -135,25 +135,98 @@ def _softmax_attention(q_BGRLK, k_BGSK, v_BGSK, mask_BLS, bias_BHLS, dropout_rat
   scores and softmax)."""
   B, G, R, L, K = q_BGRLK.shape
   S = k_BGSK.shape[2]
-  # (R, L) as one axis M: one free axis per operand, so the backward products need no transpose.
-  s_BGMS = jnp.einsum(
-    "bgmk,bgsk->bgms", q_BGRLK.reshape(B, G, R * L, K), k_BGSK, preferred_element_type=jnp.float32
-  )
-  s_BGRLS = s_BGMS.reshape(B, G, R, L, S) * (1.0 / math.sqrt(K))
-  if bias_BHLS is not None:
-    s_BGRLS = s_BGRLS + bias_BHLS.astype(jnp.float32).reshape(B, G, R, L, S)
+  bias_BGRLS = None
+  if bias_BHLS is not None:  # [B or 1, H, L, S] -> [B, G, R, L, S]
+    bias_BGRLS = bias_BHLS.astype(jnp.float32).reshape(-1, G, R, L, S)
+    bias_BGRLS = jnp.broadcast_to(bias_BGRLS, (B, G, R, L, S))
+  if dropout_key is None or not dropout_rate:
+    return _attend(q_BGRLK, k_BGSK, v_BGSK, mask_BLS, bias_BGRLS)
+  p_BGRLS = dropout(jax.nn.softmax(_logits(q_BGRLK, k_BGSK, mask_BLS, bias_BGRLS), axis=-1),
+                    dropout_rate, dropout_key)  # fmt: skip
+  return _merge_rows(jnp.einsum)("bgms,bgsk->bgmk", p_BGRLS.astype(v_BGSK.dtype), v_BGSK)
+
+
+def _merge_rows(einsum):
+  """`einsum` over (R, L) merged into one axis M of its first operand and output: one free axis
+  per operand, so neither the product nor its transposes need a copy."""
+
+  def merged(spec, x_BGRL_, y, **kwargs):
+    B, G, R, L = x_BGRL_.shape[:4]
+    out = einsum(
+      spec, x_BGRL_.reshape(B, G, R * L, -1), y, preferred_element_type=jnp.float32, **kwargs
+    )
+    return out.reshape(B, G, R, L, -1)
+
+  return merged
+
+
+def _logits(q_BGRLK, k_BGSK, mask_BLS, bias_BGRLS):
+  """q k / sqrt(K) + bias, NEG where masked: [B, G, R, L, S] float32."""
+  K = q_BGRLK.shape[-1]
+  s_BGRLS = _merge_rows(jnp.einsum)("bgmk,bgsk->bgms", q_BGRLK, k_BGSK) * (1.0 / math.sqrt(K))
+  if bias_BGRLS is not None:
+    s_BGRLS = s_BGRLS + bias_BGRLS
   if mask_BLS is not None:
     s_BGRLS = jnp.where(mask_BLS[:, None, None], s_BGRLS, NEG)
-  # fp32 softmax for stability. jax.nn.softmax's custom JVP keeps the backward pass to one
-  # reduction; a masked key gets exp(NEG - max) = 0 exactly unless its whole row is masked.
-  p_BGRLS = dropout(jax.nn.softmax(s_BGRLS, axis=-1), dropout_rate, dropout_key)
-  o_BGMK = jnp.einsum(
-    "bgms,bgsk->bgmk",
-    p_BGRLS.reshape(B, G, R * L, S).astype(v_BGSK.dtype),
-    v_BGSK,
+  return s_BGRLS
+
+
+@jax.custom_vjp
+def _attend(q_BGRLK, k_BGSK, v_BGSK, mask_BLS, bias_BGRLS):
+  """softmax attention without dropout, with a hand-written backward pass.
+
+  The forward pass normalises after the probability-value product (o = (e v) / l with
+  e = exp(logits - max) and l its row sum), so the probabilities are never written; the
+  backward pass uses the output (sum_s p dp = do . o) instead of a second reduction over the
+  [L, S] scores, and needs no mask (e is exactly 0 where masked). Equal to jax.nn.softmax's
+  forward and gradients to float32 rounding, except that a row with every key masked gives
+  zeros (as `dense_attention` returns for it) rather than uniform weights.
+  """
+  return _attend_fwd(q_BGRLK, k_BGSK, v_BGSK, mask_BLS, bias_BGRLS)[0]
+
+
+def _attend_fwd(q_BGRLK, k_BGSK, v_BGSK, mask_BLS, bias_BGRLS):
+  s_BGRLS = _logits(q_BGRLK, k_BGSK, mask_BLS, bias_BGRLS)
+  m_BGRL1 = s_BGRLS.max(axis=-1, keepdims=True)
+  # A row whose every key is masked (its max is NEG) gets e = 0: zero output, zero gradients.
+  e_BGRLS = jnp.where(m_BGRL1 > NEG, jnp.exp(s_BGRLS - m_BGRL1), 0.0)
+  l_BGRL = e_BGRLS.sum(axis=-1)
+  ev_BGRLK = _merge_rows(jnp.einsum)("bgms,bgsk->bgmk", e_BGRLS.astype(v_BGSK.dtype), v_BGSK)
+  l_BGRL = jnp.where(l_BGRL == 0.0, 1.0, l_BGRL)
+  o_BGRLK = ev_BGRLK / l_BGRL[..., None]
+  has_bias = None if bias_BGRLS is None else ()  # structure only: no array kept
+  return o_BGRLK, (q_BGRLK, k_BGSK, v_BGSK, e_BGRLS, l_BGRL, o_BGRLK, has_bias)
+
+
+def _attend_bwd(residuals, do_BGRLK):
+  q_BGRLK, k_BGSK, v_BGSK, e_BGRLS, l_BGRL, o_BGRLK, has_bias = residuals
+  B, G, R, L, K = q_BGRLK.shape
+  scale = 1.0 / math.sqrt(K)
+  r_BGRL1 = (1.0 / l_BGRL)[..., None]
+  do_BGRLK = do_BGRLK.astype(jnp.float32)
+  dp_BGRLS = _merge_rows(jnp.einsum)("bgmk,bgsk->bgms", do_BGRLK.astype(v_BGSK.dtype), v_BGSK)
+  # d logits = p (dp - sum_s p dp), with p = e / l and sum_s p dp = do . o.
+  delta_BGRL1 = jnp.sum(do_BGRLK * o_BGRLK, axis=-1, keepdims=True)
+  ds_BGRLS = e_BGRLS * (dp_BGRLS - delta_BGRL1) * r_BGRL1
+  # The 1 / sqrt(K) of the logits scales the [L, K] and [S, K] products, not the [L, S] one.
+  dq_BGRLK = _merge_rows(jnp.einsum)("bgms,bgsk->bgmk", ds_BGRLS.astype(k_BGSK.dtype), k_BGSK)
+  M = R * L
+  dk_BGSK = jnp.einsum(
+    "bgms,bgmk->bgsk", ds_BGRLS.reshape(B, G, M, -1).astype(q_BGRLK.dtype),
+    q_BGRLK.reshape(B, G, M, K), preferred_element_type=jnp.float32,
+  )  # fmt: skip
+  dv_BGSK = jnp.einsum(
+    "bgms,bgmk->bgsk", e_BGRLS.reshape(B, G, M, -1).astype(v_BGSK.dtype),
+    (do_BGRLK * r_BGRL1).reshape(B, G, M, K).astype(v_BGSK.dtype),
     preferred_element_type=jnp.float32,
-  )
-  return o_BGMK.reshape(B, G, R, L, K)
+  )  # fmt: skip
+  return (
+    (dq_BGRLK * scale).astype(q_BGRLK.dtype), (dk_BGSK * scale).astype(k_BGSK.dtype),
+    dv_BGSK.astype(v_BGSK.dtype), None, None if has_bias is None else ds_BGRLS,
+  )  # fmt: skip
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)
 
 
 def chunked_attention(

@@ -330,3 +330,27 @@ def test_chunked_gradient_memory_is_far_below_one_score_matrix():
   compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).compile()
   scores_bytes = B * H * length * length * 4
   assert compiled.memory_analysis().temp_size_in_bytes < scores_bytes / 8
+
+
+def test_hand_written_softmax_backward_matches_autodiff_with_bias_and_masked_rows():
+  # [B, G, R, L, K] operands; row 0 of batch 1 has every key masked.
+  q, k, v = _normal((B, G, 2, 6, K), 20), _normal((B, G, 7, K), 21), _normal((B, G, 7, K), 22)
+  bias = _normal((B, G, 2, 6, 7), 23)
+  mask = jnp.asarray(np.random.default_rng(24).random((B, 6, 7)) < 0.7).at[1, 0].set(False)
+  w = _normal((B, G, 2, 6, K), 25)
+
+  def reference(q, k, v, bias):
+    p = jax.nn.softmax(attention._logits(q, k, mask, bias), axis=-1)
+    o = jnp.einsum("bgrls,bgsk->bgrlk", p, v)
+    return jnp.where(mask.any(-1)[:, None, None, :, None], o, 0.0)  # a row with no key: zeros
+
+  def loss(fn):
+    return lambda *args: jnp.sum(jnp.sin(fn(*args)) * w)
+
+  args = (q, k, v, bias)
+  got_out = attention._attend(q, k, v, mask, bias)
+  np.testing.assert_allclose(got_out, reference(*args), atol=1e-6)
+  got = jax.grad(loss(lambda *a: attention._attend(*a[:3], mask, a[3])), argnums=(0, 1, 2, 3))
+  want = jax.grad(loss(reference), argnums=(0, 1, 2, 3))
+  for g, w_ in zip(got(*args), want(*args), strict=True):
+    np.testing.assert_allclose(g, w_, atol=1e-5)
