@@ -128,6 +128,9 @@ def get_config() -> ml_collections.ConfigDict:
   # rope / xpos, p-RoPE (Barbero et al. 2024): fraction of the lowest frequencies set to zero
   # (they do not rotate); p = 1 - rope_truncate. 0 = plain RoPE.
   posenc.rope_truncate = 0.0
+  # rope / xpos, Resonance RoPE (Wang et al. 2024): every wavelength 2 pi / theta_i rounded to an
+  # integer and theta_i recomputed, after posenc.scaling (with yarn: Resonance YaRN).
+  posenc.rope_resonance = False
   # Randomized positions (Ruoss et al. 2023), any kind that reads positions (not nope or cope):
   # each sequence (each packed document) takes a sorted random subset of [0, randomize_max) of
   # its own length as its positions, in training (drawn from seed and step) and at evaluation

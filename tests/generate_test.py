@@ -29,6 +29,8 @@ ENCODINGS = [
   ("fire", None),
   ("sandwich", None),
   ("rope", _scaling("dynamic")),
+  ("rope", {"rope_resonance": True}),
+  pytest.param("rope", {**_scaling("yarn"), "rope_resonance": True}, marks=pytest.mark.slow),
   *[
     pytest.param("rope", _scaling(k), marks=pytest.mark.slow)
     for k in ("linear", "ntk", "ntk_by_parts", "yarn", "llama3")

@@ -99,6 +99,12 @@ def validate_posenc(
       f"(posenc.kind in {tuple(k for k, c in POSENCS.items() if issubclass(c, Rope))}), "
       f"not posenc.kind={cfg.kind!r}; set it to 0"
     )
+  if cfg.rope_resonance and not issubclass(cls, Rope):
+    raise ValueError(
+      f"posenc.rope_resonance=True rounds RoPE wavelengths and applies only to the rotary "
+      f"encodings (posenc.kind in {tuple(k for k, c in POSENCS.items() if issubclass(c, Rope))}),"
+      f" not posenc.kind={cfg.kind!r}; set it to False"
+    )
   if cfg.randomize_max < 0:
     raise ValueError(f"posenc.randomize_max={cfg.randomize_max} must be >= 0 (0 = off)")
   if cfg.randomize_max and not cls.reads_positions:
@@ -153,6 +159,7 @@ def _validate_pattern(cfg: PosEncConfig, *, causal: bool, head_dim: int, attenti
     ("posenc.max_wavelength_pattern", cfg.max_wavelength_pattern),
     ("posenc.scaling.kind", cfg.scaling.kind if cfg.scaling.kind != "none" else ""),
     ("posenc.rope_truncate", cfg.rope_truncate or ""),
+    ("posenc.rope_resonance", cfg.rope_resonance or ""),
   ):
     if value and not rotary:
       raise ValueError(

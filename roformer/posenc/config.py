@@ -41,6 +41,7 @@ class PosEncConfig:
   xpos_scale_base: float = 512.0
   scaling: RopeScaling = RopeScaling()
   rope_truncate: float = 0.0  # p-RoPE: fraction of the lowest frequencies that do not rotate
+  rope_resonance: bool = False  # Resonance RoPE: wavelengths 2 pi / theta rounded to integers
   randomize_max: int = 0  # positions: sorted random subsets of [0, N), also at eval; 0 = off
   fire_mlp_width: int = 32  # fire: hidden width of the MLP
   fire_init_c: float = 0.1  # fire: initial c of psi(x) = log(c x + 1)

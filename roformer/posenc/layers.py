@@ -50,8 +50,9 @@ def period(cfg: PosEncConfig) -> int:
 def layer_config(cfg: PosEncConfig, i: int, *, accepts_rope_scaling=None) -> PosEncConfig:
   """The encoding config of layer i: its kind and base, no pattern, and its own query scale.
 
-  The RoPE options (base, scaling, rope_truncate) apply to the rotary layers of a pattern; a
-  layer whose kind takes no RoPE scaling (`accepts_rope_scaling(kind)` False) keeps the defaults. The
+  The RoPE options (base, scaling, rope_truncate, rope_resonance) apply to the rotary layers of
+  a pattern; a layer whose kind takes no RoPE scaling (`accepts_rope_scaling(kind)` False)
+  keeps their defaults. The
   query temperature applies to the layers whose kind is in `query_scale_kinds` ("" = all); the
   others get `query_scale="none"`.
   """
@@ -66,7 +67,8 @@ def layer_config(cfg: PosEncConfig, i: int, *, accepts_rope_scaling=None) -> Pos
   if has_pattern(cfg) and accepts_rope_scaling is not None and not accepts_rope_scaling(kind):
     # Its base is unused too: one entry serves all such layers of a kind.
     layer = dataclasses.replace(
-      layer, scaling=RopeScaling(), rope_truncate=0.0, max_wavelength=cfg.max_wavelength
+      layer, scaling=RopeScaling(), rope_truncate=0.0, rope_resonance=False,
+      max_wavelength=cfg.max_wavelength,
     )
   return layer
 

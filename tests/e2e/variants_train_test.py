@@ -31,6 +31,8 @@ VARIANTS = {
   "qk_rmsnorm_ssmax": {"model.qk_norm": "rmsnorm", "posenc.query_scale": "ssmax"},
   "logn_gemma_bases": {"posenc.query_scale": "logn",
                        "posenc.max_wavelength_pattern": "10000,1000000"},
+  "resonance_yarn": {"posenc.rope_resonance": True, "posenc.scaling.kind": "yarn",
+                     "posenc.scaling.factor": 2.0},
 }  # fmt: skip
 
 
