@@ -10,11 +10,11 @@ import jax
 from roformer.nn.attention.kernels import KERNELS
 from roformer.nn.attention.kinds import ATTENTIONS
 from roformer.nn.attention.primitives import WINDOW_KINDS
-from roformer.nn.layers import DTYPES
 from roformer.nn.attention.qk_norm import QK_NORMS
+from roformer.nn.layers import DTYPES
 from roformer.posenc import POSENCS, layer_configs, validate_posenc
-from roformer.posenc.layers import has_pattern, kind_list, parse_error, pattern_kinds
 from roformer.posenc.config import PosEncConfig
+from roformer.posenc.layers import has_pattern, kind_list, parse_error, pattern_kinds
 
 MODEL_KINDS = ("encoder", "decoder")  # masked LM, causal LM
 ACTIVATIONS = ("gelu", "swiglu")

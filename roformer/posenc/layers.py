@@ -67,14 +67,17 @@ def layer_config(cfg: PosEncConfig, i: int, *, accepts_rope_scaling=None) -> Pos
   if has_pattern(cfg) and accepts_rope_scaling is not None and not accepts_rope_scaling(kind):
     # Its base is unused too: one entry serves all such layers of a kind.
     layer = dataclasses.replace(
-      layer, scaling=RopeScaling(), rope_truncate=0.0, rope_resonance=False,
+      layer,
+      scaling=RopeScaling(),
+      rope_truncate=0.0,
+      rope_resonance=False,
       max_wavelength=cfg.max_wavelength,
     )
   return layer
 
 
 def kind_list(kinds: str) -> tuple[str, ...]:
-  """"k1,k2" -> ("k1", "k2"); "" -> ()."""
+  """The kinds of a comma-separated list ("k1,k2" -> ("k1", "k2"); "" -> ())."""
   return tuple(k.strip() for k in kinds.split(",")) if kinds else ()
 
 

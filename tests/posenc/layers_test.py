@@ -18,7 +18,7 @@ def _model(posenc_fields, **fields):
 
 
 def _block_output(model, i, positions_BL, layer_posenc=None):
-  """Layer i's output on a fixed input at `positions_BL`, with its own encoding or `layer_posenc`."""
+  """Layer i's output on a fixed input at `positions_BL`, with its encoding or `layer_posenc`."""
   x_BLD = jnp.asarray(np.random.default_rng(0).standard_normal((2, 7, 16)), jnp.float32)
   pe = model.posenc.layer(i) if layer_posenc is None else layer_posenc
   state = model.posenc.layer_state(model.posenc.prepare(positions_BL), i)

@@ -61,10 +61,11 @@ def attention_mask(
       attention (BCA, the LeX code): positions fall in blocks of window / 2, and a query sees
       keys of its own block and of the block before (kpos // b >= qpos // b - 1 with
       b = window // 2), so between window / 2 and `window` keys and no distance of `window` or
-      more; inputs of at most `window` positions see every earlier key. "chunked": Llama 4's chunked local
-      attention (`attention_chunk_size`): positions fall in chunks of `window` and a query sees
-      keys of its own chunk only (kpos // w == qpos // w), so between 1 and `window` keys, all
-      within `window` - 1 positions (inside a sliding window's band and ring buffer).
+      more; inputs of at most `window` positions see every earlier key. "chunked": Llama 4's
+      chunked local attention (`attention_chunk_size`): positions fall in chunks of `window`
+      and a query sees keys of its own chunk only (kpos // w == qpos // w), so between 1 and
+      `window` keys, all within `window` - 1 positions (inside a sliding window's band and ring
+      buffer).
     global_tokens: with a window, positions below this attend to and are attended by every
       key and query of their segment (Longformer's global attention).
 

@@ -104,8 +104,9 @@ class Attention(nnx.Module):
     # QK-norm (qk_norm.py): "rmsnorm" learns a scale [K] for queries and one for keys.
     self.qk_norm = qk_norm
     self.norm_eps = norm_eps
+    rmsnorm = qk_norm == "rmsnorm"
     self.query_norm, self.key_norm = (
-      qk_norm_layers(K, norm_eps, dtype, param_dtype, rngs) if qk_norm == "rmsnorm" else (None, None)
+      qk_norm_layers(K, norm_eps, dtype, param_dtype, rngs) if rmsnorm else (None, None)
     )
     self.query_scale = (
       None
