@@ -3,6 +3,7 @@
 Validated once, when a ModelConfig is built; the model and the library trust one that exists.
 """
 
+import copy
 import dataclasses
 
 import jax
@@ -165,8 +166,8 @@ def validate_model(cfg: ModelConfig) -> None:
   if cfg.posenc.kind in POSENCS and not (
     has_pattern(cfg.posenc) and parse_error(cfg.posenc, POSENCS)
   ):
-    for kind in dict.fromkeys(pattern_kinds(cfg.posenc)):
-      attention.check_config(cfg, POSENCS[kind])
+    for layer in dict.fromkeys(layer_configs(cfg.posenc)):
+      attention.check_config(_layer_view(cfg, layer), POSENCS[layer.kind])
   else:
     attention.check_config(cfg, POSENCS.get(cfg.posenc.kind))
   validate_posenc(
@@ -183,6 +184,14 @@ def unsupported_length(cfg: ModelConfig, length: int) -> str | None:
     if reason := POSENCS[layer.kind].unsupported_length(layer, length):
       return reason
   return None
+
+
+def _layer_view(cfg: ModelConfig, layer_posenc: PosEncConfig) -> ModelConfig:
+  """`cfg` with one layer's encoding config, so that a refusal names that layer's kind. Not
+  re-validated: it is a view of the config being validated, used only for its checks."""
+  view = copy.copy(cfg)
+  object.__setattr__(view, "posenc", layer_posenc)
+  return view
 
 
 def _check_per_layer(cfg: ModelConfig) -> None:

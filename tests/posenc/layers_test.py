@@ -113,7 +113,7 @@ def test_bad_patterns_are_refused_in_one_line_naming_the_field(fields, message):
 def test_patterns_are_refused_with_stacked_layers_and_in_linear_attention_when_a_layer_biases():
   with pytest.raises(ValueError, match="model.scan_layers"):
     testing.tiny_model_config("rope", dict(layer_pattern="rope,nope"), scan_layers=True)
-  with pytest.raises(ValueError, match="model.attention='linear'"):
+  with pytest.raises(ValueError, match="posenc.kind='alibi' adds a bias.*model.attention='linear'"):
     testing.tiny_model_config("rope", dict(layer_pattern="rope,alibi"), attention="linear")
   cfg = testing.tiny_model_config("rope", dict(layer_pattern="rope,nope"), attention="linear")
   assert [type(testing.random_model(cfg).posenc.layer(i)).__name__ for i in range(2)] == [
