@@ -4,6 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from roformer import config as config_lib
 from roformer import posenc, testing
 from roformer.nn.attention.kv_cache import KVCache
 
@@ -119,3 +120,25 @@ def test_patterns_are_refused_with_stacked_layers_and_in_linear_attention_when_a
   assert [type(testing.random_model(cfg).posenc.layer(i)).__name__ for i in range(2)] == [
     "Rope", "NoPE"
   ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+  "config_file, window_kind, qk_norms, query_scales",
+  [
+    ("configs/irope.py", "chunked", ["l2", "l2", "l2", "none"], [None, None, None, "llama4"]),
+    ("configs/rnope_swa.py", "sliding", ["none"] * 4, [None] * 4),
+  ],
+)
+def test_presets_give_each_layer_the_encoding_window_and_norms_they_name(
+  config_file, window_kind, qk_norms, query_scales
+):
+  config = testing.tiny_config({"model.num_layers": 4}, config_file=config_file)
+  model_cfg = config_lib.run_config_from_dict(config).model
+  model = testing.random_model(model_cfg)
+  assert [type(model.posenc.layer(i)).__name__ for i in range(4)] == ["Rope"] * 3 + ["NoPE"]
+  # The preset's window: a quarter of default.py's data.seq_len (512), when the file was read.
+  assert [layer.attn.window for layer in model.layers] == [128] * 3 + [0]
+  assert {layer.attn.window_kind for layer in model.layers} == {window_kind}
+  assert [layer.attn.qk_norm for layer in model.layers] == qk_norms
+  scales = [layer.attn.query_scale for layer in model.layers]
+  assert [None if s is None else s.kind for s in scales] == query_scales
