@@ -70,9 +70,10 @@ def get_config() -> ml_collections.ConfigDict:
   model.attention_block = 512
   # Sliding-window attention: keys within this many positions of the query (0 = all keys).
   model.attention_window = 0
-  # How attention_window limits keys: "sliding" (within attention_window positions of the query)
-  # or "blockwise" (xPos's blockwise causal attention: the query's block of attention_window / 2
-  # positions and the block before it).
+  # How attention_window limits keys: "sliding" (within attention_window positions of the query),
+  # "blockwise" (xPos's blockwise causal attention: the query's block of attention_window / 2
+  # positions and the block before it) or "chunked" (Llama 4's chunked local attention: the
+  # query's own chunk of attention_window positions).
   model.attention_window_kind = "sliding"
   # Token embeddings: "auto" = as the encoding's paper ("none" for learned and rope, "sqrt_d" for
   # the others; see docs/fidelity.md), "none" = BERT's N(0, 0.02^2) unscaled (a learned position
@@ -103,6 +104,11 @@ def get_config() -> ml_collections.ConfigDict:
   model.q_lora_rank = 0
   # mla: width of the rotary key shared by all heads (and of each query's rotary part).
   model.qk_rope_head_dim = 0
+  # QK-norm, per head over the head dim: "none"; "rmsnorm" (a learned scale, before RoPE, as
+  # OLMo 2, Qwen3 and Gemma 3); "l2" (no scale, after RoPE, as Llama 4). Softmax attention only.
+  model.qk_norm = "none"
+  # Kinds of posenc.layer_pattern whose layers apply qk_norm ("" = every layer; Llama 4: "rope").
+  model.qk_norm_kinds = ""
 
   # ---- posenc: the positional encoding (one field picks it; every kind's fields are here) ----
   config.posenc = posenc = ml_collections.ConfigDict()
@@ -127,6 +133,9 @@ def get_config() -> ml_collections.ConfigDict:
   # rope / xpos, p-RoPE (Barbero et al. 2024): fraction of the lowest frequencies set to zero
   # (they do not rotate); p = 1 - rope_truncate. 0 = plain RoPE.
   posenc.rope_truncate = 0.0
+  # rope / xpos, Resonance RoPE (Wang et al. 2024): every wavelength 2 pi / theta_i rounded to an
+  # integer and theta_i recomputed, after posenc.scaling (with yarn: Resonance YaRN).
+  posenc.rope_resonance = False
   # Randomized positions (Ruoss et al. 2023), any kind that reads positions (not nope or cope):
   # each sequence (each packed document) takes a sorted random subset of [0, randomize_max) of
   # its own length as its positions, in training (drawn from seed and step) and at evaluation
@@ -150,6 +159,26 @@ def get_config() -> ml_collections.ConfigDict:
   # cope: one position table shared by every layer instead of one per layer (the paper's code:
   # --cope-shared, off by default).
   posenc.cope_shared = False
+  # Per-layer encodings: kinds "k1,k2,..." repeated over the layers, as attention_window_pattern
+  # ("" = every layer uses posenc.kind, which must otherwise be one of them), e.g. Llama 4's iRoPE
+  # "rope,rope,rope,nope". Kinds that act inside attention only (not sinusoidal or learned).
+  posenc.layer_pattern = ""
+  # Per-layer RoPE bases "b1,b2,..." repeated over the layers ("" = max_wavelength everywhere),
+  # e.g. Gemma 3's local and global bases "10000,10000,10000,10000,10000,1000000".
+  posenc.max_wavelength_pattern = ""
+  # Query temperature, queries times t(n) with n = position + 1 (decoders): "none"; "logn" (Qwen:
+  # log_L0(n) for n > L0); "ssmax" (Scalable-Softmax: s log n, s learned per head and layer);
+  # "llama4" (1 + beta log(floor(n / floor) + 1)). Softmax attention only.
+  posenc.query_scale = "none"
+  # logn: the training length L0 (0 = data.seq_len, or that of the train.init_from run).
+  posenc.query_scale_len = 0
+  # llama4: beta (Llama 4's attn_scale).
+  posenc.query_scale_beta = 0.1
+  # llama4: floor_scale.
+  posenc.query_scale_floor = 8192.0
+  # Kinds of posenc.layer_pattern whose layers scale their queries ("" = every layer; Llama 4:
+  # "nope").
+  posenc.query_scale_kinds = ""
   # RoPE context-extension scaling (also overridable at evaluation time).
   posenc.scaling = scaling = ml_collections.ConfigDict()
   # One of: none, linear, ntk, dynamic, ntk_by_parts, yarn, llama3.

@@ -284,7 +284,8 @@ def run_config_from_dict(config: Any, *, vocab_size: int | None = None) -> RunCo
   Returns:
     RunConfig, with posenc.scaling.original_max_len 0 replaced by the pretraining length: the
     data.seq_len of the train.init_from run (a workdir with config.json), else data.seq_len;
-    and for CoPE posenc.cope_npos_max 0 by that length + 1 (CoPE's code: the block size + 1).
+    for CoPE posenc.cope_npos_max 0 by that length + 1 (CoPE's code: the block size + 1); and
+    for posenc.query_scale="logn" posenc.query_scale_len 0 by that length.
 
   Raises:
     ConfigError (a ValueError) naming the field and the allowed values.
@@ -306,6 +307,12 @@ def run_config_from_dict(config: Any, *, vocab_size: int | None = None) -> RunCo
   if scaling.original_max_len == 0:
     original = _init_from_seq_len(values["train"].get("init_from", "")) or data.seq_len
     scaling = dataclasses.replace(scaling, original_max_len=original)
+  if posenc_values.get("query_scale", "none") == "logn" and not posenc_values.get(
+    "query_scale_len", 0
+  ):
+    # log_L0(n) is 1 up to the pretraining length, also in a fine-tune at another length.
+    pretrained = _init_from_seq_len(values["train"].get("init_from", "")) or data.seq_len
+    posenc_values["query_scale_len"] = pretrained
   if posenc_values.get("kind") == "cope" and not posenc_values.get("cope_npos_max", 0):
     # The pretraining length too, so a fine-tune at another length keeps the table's shape.
     pretrained = _init_from_seq_len(values["train"].get("init_from", "")) or data.seq_len

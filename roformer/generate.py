@@ -41,6 +41,7 @@ from roformer.data.tokenizer import build_tokenizer
 from roformer.nn import config as nn_config
 from roformer.nn import model as model_lib
 from roformer.posenc import POSENCS
+from roformer.posenc.layers import pattern_kinds
 
 
 def sample_next(
@@ -82,9 +83,10 @@ def _check(model, prompt_BP, max_new_tokens, temperature, top_k, top_p):
       "generate needs a causal decoder (model.kind='decoder'); an encoder (masked LM) predicts "
       "masked tokens from both sides and has no next-token distribution to sample"
     )
-  if POSENCS[model.cfg.posenc.kind].content_bias is not None:
+  content = [k for k in pattern_kinds(model.cfg.posenc) if POSENCS[k].content_bias is not None]
+  if content:
     raise ValueError(
-      f"posenc.kind={model.cfg.posenc.kind!r} biases attention by queries and keys together "
+      f"posenc.kind={content[0]!r} biases attention by queries and keys together "
       "(a content-dependent position), which the decoding cache does not compute; it is "
       "evaluated with full forward passes (eval.py)"
     )

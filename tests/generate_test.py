@@ -29,6 +29,8 @@ ENCODINGS = [
   ("fire", None),
   ("sandwich", None),
   ("rope", _scaling("dynamic")),
+  ("rope", {"rope_resonance": True}),
+  pytest.param("rope", {**_scaling("yarn"), "rope_resonance": True}, marks=pytest.mark.slow),
   *[
     pytest.param("rope", _scaling(k), marks=pytest.mark.slow)
     for k in ("linear", "ntk", "ntk_by_parts", "yarn", "llama3")
@@ -64,6 +66,25 @@ def test_cached_generation_equals_full_forward_for_every_encoding(posenc, fields
 )
 def test_cached_generation_equals_full_forward_for_softmax_variants(fields):
   testing.check_cached_generation(testing.tiny_model_config("t5", **fields))
+
+
+@pytest.mark.parametrize(
+  "posenc, posenc_fields, fields",
+  [
+    ("rope", dict(layer_pattern="rope,nope", max_wavelength_pattern="100,10000,1000000"), {}),
+    ("alibi", dict(layer_pattern="alibi,rope,nope"), dict(attention_window_pattern="3,0")),
+    ("rope", dict(layer_pattern="rope,rope,nope", query_scale="llama4", query_scale_floor=2.0,
+                  query_scale_kinds="nope"),
+     dict(num_layers=3, attention_window_pattern="4,4,0", attention_window_kind="chunked",
+          qk_norm="l2", qk_norm_kinds="rope")),  # iRoPE
+    ("rope", dict(query_scale="logn", query_scale_len=4), dict(qk_norm="rmsnorm")),
+    ("rope", dict(query_scale="ssmax"), dict(attention_impl="chunked", attention_block=2)),
+  ],
+)  # fmt: skip
+def test_cached_generation_equals_full_forward_for_per_layer_encodings_qk_norm_and_temperature(
+  posenc, posenc_fields, fields
+):
+  testing.check_cached_generation(testing.tiny_model_config(posenc, posenc_fields, **fields))
 
 
 def test_kv_cache_holds_kv_heads_and_window_slots():

@@ -3,6 +3,7 @@
 Validated once, when a ModelConfig is built; the model and the library trust one that exists.
 """
 
+import copy
 import dataclasses
 
 import jax
@@ -10,9 +11,11 @@ import jax
 from roformer.nn.attention.kernels import KERNELS
 from roformer.nn.attention.kinds import ATTENTIONS
 from roformer.nn.attention.primitives import WINDOW_KINDS
+from roformer.nn.attention.qk_norm import QK_NORMS
 from roformer.nn.layers import DTYPES
-from roformer.posenc import POSENCS, validate_posenc
+from roformer.posenc import POSENCS, layer_configs, validate_posenc
 from roformer.posenc.config import PosEncConfig
+from roformer.posenc.layers import has_pattern, kind_list, parse_error, pattern_kinds
 
 MODEL_KINDS = ("encoder", "decoder")  # masked LM, causal LM
 ACTIVATIONS = ("gelu", "swiglu")
@@ -59,8 +62,9 @@ class ModelConfig:
   # Query/key block of the chunked kernel, and the sequence block of position-wise layers.
   attention_block: int = 512
   attention_window: int = 0  # sliding window: keys within this many positions of the query; 0 = all
-  # "sliding" (|qpos - kpos| < window) or "blockwise" (xPos's BCA: the query's block of
-  # window / 2 positions and the block before it).
+  # "sliding" (|qpos - kpos| < window), "blockwise" (xPos's BCA: the query's block of
+  # window / 2 positions and the block before it) or "chunked" (Llama 4: the query's chunk of
+  # window positions only).
   attention_window_kind: str = "sliding"
   # Token-embedding scale: "auto" (the encoding's paper), "none" (BERT: N(0, 0.02^2), unscaled) or
   # "sqrt_d" (Vaswani / fairseq: N(0, 1/E), multiplied by sqrt(E)).
@@ -74,6 +78,8 @@ class ModelConfig:
   kv_lora_rank: int = 0  # mla: latent width of keys and values
   q_lora_rank: int = 0  # mla: latent width of queries (0 = no query compression)
   qk_rope_head_dim: int = 0  # mla: width of the rotary key shared by all heads
+  qk_norm: str = "none"  # none | rmsnorm (per head, before RoPE) | l2 (after RoPE, Llama 4)
+  qk_norm_kinds: str = ""  # kinds of posenc.layer_pattern whose layers normalise; "" = all
   posenc: PosEncConfig = PosEncConfig()
 
   def __post_init__(self):
@@ -168,9 +174,17 @@ def validate_model(cfg: ModelConfig) -> None:
       "model.parallel_residual=True needs pre-LN blocks (each branch normalises the block's "
       "input); an encoder needs model.pre_norm=True for it"
     )
+  _check_choice("model.qk_norm", cfg.qk_norm, QK_NORMS)
   _check_windows(cfg)
+  _check_per_layer(cfg)
   attention = ATTENTIONS[cfg.attention]
-  attention.check_config(cfg, POSENCS.get(cfg.posenc.kind))
+  if cfg.posenc.kind in POSENCS and not (
+    has_pattern(cfg.posenc) and parse_error(cfg.posenc, POSENCS)
+  ):
+    for layer in dict.fromkeys(layer_configs(cfg.posenc)):
+      attention.check_config(_layer_view(cfg, layer), POSENCS[layer.kind])
+  else:
+    attention.check_config(cfg, POSENCS.get(cfg.posenc.kind))
   validate_posenc(
     cfg.posenc,
     causal=cfg.kind == "decoder",
@@ -181,7 +195,41 @@ def validate_model(cfg: ModelConfig) -> None:
 
 def unsupported_length(cfg: ModelConfig, length: int) -> str | None:
   """Why the model of `cfg` cannot run sequences of `length` positions, or None."""
-  return POSENCS[cfg.posenc.kind].unsupported_length(cfg.posenc, length)
+  for layer in dict.fromkeys(layer_configs(cfg.posenc)):
+    if reason := POSENCS[layer.kind].unsupported_length(layer, length):
+      return reason
+  return None
+
+
+def _layer_view(cfg: ModelConfig, layer_posenc: PosEncConfig) -> ModelConfig:
+  """`cfg` with one layer's encoding config, so that a refusal names that layer's kind. Not
+  re-validated: it is a view of the config being validated, used only for its checks."""
+  view = copy.copy(cfg)
+  object.__setattr__(view, "posenc", layer_posenc)
+  return view
+
+
+def _check_per_layer(cfg: ModelConfig) -> None:
+  """Per-layer encodings, QK-norm and query temperature against the rest of the model."""
+  kinds = pattern_kinds(cfg.posenc)
+  stray = [k for k in kind_list(cfg.qk_norm_kinds) if k not in kinds]
+  if cfg.qk_norm_kinds and (stray or cfg.qk_norm == "none"):
+    raise ValueError(
+      f"model.qk_norm_kinds={cfg.qk_norm_kinds!r} must name kinds of the model's layers "
+      f"{sorted(set(kinds))} and needs a model.qk_norm other than 'none'"
+    )
+  if cfg.scan_layers and has_pattern(cfg.posenc):
+    raise ValueError(
+      "posenc.layer_pattern / posenc.max_wavelength_pattern give layers different encodings, "
+      "which model.scan_layers=True (one stacked block) cannot; set one of them off"
+    )
+  for field, value in (("model.qk_norm", cfg.qk_norm), ("posenc.query_scale",
+                        cfg.posenc.query_scale)):  # fmt: skip
+    if value != "none" and cfg.attention != "softmax":
+      raise ValueError(
+        f"{field}={value!r} is implemented by softmax attention only, not "
+        f"model.attention={cfg.attention!r}; set it to 'none' or model.attention='softmax'"
+      )
 
 
 def _check_windows(cfg: ModelConfig) -> None:
@@ -197,9 +245,10 @@ def _check_windows(cfg: ModelConfig) -> None:
       f"model.attention_window_pattern={cfg.attention_window_pattern!r} gives layers different "
       "windows, which model.scan_layers=True (one stacked block) cannot; set one of them off"
     )
-  if cfg.attention_window_kind == "blockwise" and cfg.global_tokens:
+  if cfg.attention_window_kind != "sliding" and cfg.global_tokens:
     raise ValueError(
-      "model.global_tokens applies to sliding windows, not model.attention_window_kind='blockwise'"
+      "model.global_tokens applies to sliding windows, not "
+      f"model.attention_window_kind={cfg.attention_window_kind!r}"
     )
   if cfg.global_tokens and cfg.kind != "encoder":
     raise ValueError(

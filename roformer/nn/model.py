@@ -27,7 +27,8 @@ from roformer.nn.layers import linear as _linear
 from roformer.nn.layers import norm as _norm
 from roformer.nn.layers import tokens as _tokens
 from roformer.nn.seqwise import fold, seqwise
-from roformer.posenc import POSENCS, PosEnc, make_posenc
+from roformer.posenc import POSENCS, PosEnc, layer_configs, make_posenc
+from roformer.posenc.layers import has_pattern
 
 
 def make_model(cfg: ModelConfig, *, rngs: nnx.Rngs) -> "Encoder | Decoder":
@@ -213,8 +214,8 @@ def _make_layers(cfg: ModelConfig, *, causal: bool, pre_norm: bool, rngs: nnx.Rn
   if not cfg.scan_layers:
     return nnx.List(
       [
-        Block(cfg, causal=causal, pre_norm=pre_norm, window=w, rngs=rngs)
-        for w in layer_windows(cfg)
+        Block(cfg, causal=causal, pre_norm=pre_norm, window=w, layer=i, rngs=rngs)
+        for i, w in enumerate(layer_windows(cfg))
       ]
     )
 
@@ -241,16 +242,16 @@ def _run_layers(model, x_BLD, positions_BL, rotary_state, *, segment_ids_BL=None
   cfg, posenc = model.cfg, model.posenc
   policy = REMAT_POLICIES[cfg.remat]
 
-  def run(graphdef, state, x_BLD, i, cache):
+  def run(graphdef, state, x_BLD, i, cache, layer_posenc, layer_state):
     layer = nnx.merge(graphdef, state)
     return layer(
       x_BLD,
       positions_BL,
-      posenc,
+      layer_posenc,
       cache=cache,
       segment_ids_BL=segment_ids_BL,
       dropout_key=fold(key, _FIRST_LAYER + i),
-      rotary_state=rotary_state,
+      rotary_state=layer_state,
     )
 
   if policy is not None:
@@ -258,7 +259,11 @@ def _run_layers(model, x_BLD, positions_BL, rotary_state, *, segment_ids_BL=None
   if not cfg.scan_layers:
     new_caches = []
     for i, layer in enumerate(model.layers):
-      x_BLD, cache = run(*nnx.split(layer), x_BLD, i, None if caches is None else caches[i])
+      # A per-layer pattern (posenc.layer_pattern) gives layer i its own encoding and state.
+      x_BLD, cache = run(
+        *nnx.split(layer), x_BLD, i, None if caches is None else caches[i], posenc.layer(i),
+        posenc.layer_state(rotary_state, i),
+      )  # fmt: skip
       new_caches.append(cache)
     return x_BLD, None if caches is None else new_caches
   if caches is not None:
@@ -269,7 +274,7 @@ def _run_layers(model, x_BLD, positions_BL, rotary_state, *, segment_ids_BL=None
 
   def body(x_BLD, state_and_index):
     state, i = state_and_index
-    return run(graphdef, state, x_BLD, i, None)[0], None
+    return run(graphdef, state, x_BLD, i, None, posenc, rotary_state)[0], None
 
   x_BLD, _ = jax.lax.scan(body, x_BLD, (state, jnp.arange(cfg.num_layers)))
   return x_BLD, None
@@ -289,8 +294,9 @@ class Block(nnx.Module):
   """
 
   def __init__(
-    self, cfg: ModelConfig, *, causal: bool, pre_norm: bool, window: int = 0, rngs: nnx.Rngs
-  ):
+    self, cfg: ModelConfig, *, causal: bool, pre_norm: bool, window: int = 0, layer: int = 0,
+    rngs: nnx.Rngs,
+  ):  # fmt: skip
     self.pre_norm = pre_norm
     self.parallel_residual = cfg.parallel_residual
     self.dropout_rate = cfg.dropout_rate
@@ -302,6 +308,7 @@ class Block(nnx.Module):
       num_kv_heads=resolve_num_kv_heads(cfg),
       causal=causal,
       window=window,
+      layer=layer,
       dtype=DTYPES[cfg.dtype],
       param_dtype=DTYPES[cfg.param_dtype],
       rngs=rngs,
@@ -309,9 +316,10 @@ class Block(nnx.Module):
     self.mlp_norm = _norm(cfg, cfg.emb_dim, rngs)
     self.mlp = Mlp(cfg, rngs=rngs)
     # An encoding with parameters per layer (CoPE, FIRE): this layer's own instance.
+    layer_cfg = layer_configs(cfg.posenc, cfg.num_layers)[layer]
     self.posenc = (
-      _posenc(cfg, cfg.emb_dim, causal=causal, rngs=rngs)
-      if POSENCS[cfg.posenc.kind].per_layer(cfg.posenc)
+      _posenc(cfg, cfg.emb_dim, causal=causal, rngs=rngs, posenc_cfg=layer_cfg)
+      if POSENCS[layer_cfg.kind].per_layer(layer_cfg)
       else None
     )
 
@@ -379,14 +387,15 @@ class Mlp(nnx.Module):
 def _model_posenc(cfg, emb_dim, *, causal, rngs):
   """The model's encoding; for one with parameters per layer (`PosEnc.per_layer`) a
   parameter-free instance whose `embed` and `prepare` are the identity, as that encoding's are."""
-  per_layer = POSENCS[cfg.posenc.kind].per_layer(cfg.posenc)
+  per_layer = not has_pattern(cfg.posenc) and POSENCS[cfg.posenc.kind].per_layer(cfg.posenc)
   return _posenc(cfg, emb_dim, causal=causal, rngs=rngs, build=PosEnc if per_layer else None)
 
 
-def _posenc(cfg, emb_dim, *, causal, rngs, build=None):
-  """`make_posenc` for the model config (validated, the registry's class), or `build(...)`."""
+def _posenc(cfg, emb_dim, *, causal, rngs, build=None, posenc_cfg=None):
+  """`make_posenc` for the model config (validated, the registry's class), or `build(...)`;
+  `posenc_cfg` (one layer's) replaces the model's `cfg.posenc`."""
   return (build or make_posenc)(
-    cfg.posenc,
+    posenc_cfg or cfg.posenc,
     num_heads=cfg.num_heads,
     head_dim=ATTENTIONS[cfg.attention].rotary_head_dim(cfg, resolve_head_dim(cfg)),
     emb_dim=emb_dim,

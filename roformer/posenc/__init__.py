@@ -4,6 +4,8 @@ An encoding acts through up to three hooks of `PosEnc` (embed, rotate, bias); `P
 `posenc.kind` to its class and is the only switch on the kind.
 """
 
+import dataclasses
+
 import jax.numpy as jnp
 from flax import nnx
 
@@ -13,6 +15,16 @@ from roformer.posenc.config import ROPE_LAYOUTS, PosEncConfig
 from roformer.posenc.cope import Cope
 from roformer.posenc.fire import Fire
 from roformer.posenc.kerple import Kerple
+from roformer.posenc.layers import (
+  LayerPattern,
+  has_pattern,
+  kind_list,
+  layer_config,
+  parse_error,
+  pattern_kinds,
+  period,
+)
+from roformer.posenc.query_scale import QUERY_SCALES, QueryScale, check_query_scale
 from roformer.posenc.relative import Alibi, T5Bias, alibi_slopes, t5_relative_bucket
 from roformer.posenc.rope import (
   Rope,
@@ -57,6 +69,20 @@ def validate_posenc(
   """
   if cfg.kind not in POSENCS:
     raise ValueError(f"posenc.kind={cfg.kind!r} is not one of {tuple(POSENCS)}")
+  if has_pattern(cfg) and (error := parse_error(cfg, POSENCS)):
+    raise ValueError(error)
+  check_query_scale(cfg, causal=causal)
+  if cfg.query_scale_kinds:
+    kinds = set(pattern_kinds(cfg))
+    stray = [k for k in kind_list(cfg.query_scale_kinds) if k not in kinds]
+    if stray or cfg.query_scale == "none":
+      raise ValueError(
+        f"posenc.query_scale_kinds={cfg.query_scale_kinds!r} must name kinds of the model's "
+        f"layers {sorted(kinds)} and needs a posenc.query_scale other than 'none'"
+      )
+  if has_pattern(cfg):
+    _validate_pattern(cfg, causal=causal, head_dim=head_dim, attention_impl=attention_impl)
+    return
   if cfg.rope_layout not in ROPE_LAYOUTS:
     raise ValueError(f"posenc.rope_layout={cfg.rope_layout!r} is not one of {ROPE_LAYOUTS}")
   if cfg.scaling.kind not in SCALING_KINDS:
@@ -72,6 +98,12 @@ def validate_posenc(
       f"posenc.rope_truncate={cfg.rope_truncate} applies only to the rotary encodings "
       f"(posenc.kind in {tuple(k for k, c in POSENCS.items() if issubclass(c, Rope))}), "
       f"not posenc.kind={cfg.kind!r}; set it to 0"
+    )
+  if cfg.rope_resonance and not issubclass(cls, Rope):
+    raise ValueError(
+      f"posenc.rope_resonance=True rounds RoPE wavelengths and applies only to the rotary "
+      f"encodings (posenc.kind in {tuple(k for k, c in POSENCS.items() if issubclass(c, Rope))}),"
+      f" not posenc.kind={cfg.kind!r}; set it to False"
     )
   if cfg.randomize_max < 0:
     raise ValueError(f"posenc.randomize_max={cfg.randomize_max} must be >= 0 (0 = off)")
@@ -104,6 +136,48 @@ def validate_posenc(
     raise ValueError(reason)
 
 
+def layer_configs(cfg: PosEncConfig, num_layers: int | None = None) -> tuple[PosEncConfig, ...]:
+  """The encoding config of every layer (of one period of the patterns when num_layers is None)."""
+  accepts = lambda kind: POSENCS[kind].accepts_rope_scaling  # noqa: E731
+  n = period(cfg) if num_layers is None else num_layers
+  return tuple(layer_config(cfg, i, accepts_rope_scaling=accepts) for i in range(n))
+
+
+def _validate_pattern(cfg: PosEncConfig, *, causal: bool, head_dim: int, attention_impl: str):
+  """`validate_posenc` of a per-layer pattern (its syntax already checked), then every layer."""
+  kinds = pattern_kinds(cfg)
+  absolute = sorted({k for k in kinds if POSENCS[k].embed is not PosEnc.embed})
+  if absolute:
+    field = "posenc.layer_pattern" if cfg.layer_pattern else "posenc.kind"
+    raise ValueError(
+      f"{field} names {absolute}, which add positions to the token embeddings once, before "
+      "any layer, so they cannot differ between layers; pattern kinds must act inside "
+      f"attention: {tuple(k for k, c in POSENCS.items() if c.embed is PosEnc.embed)}"
+    )
+  rotary = [k for k in kinds if POSENCS[k].accepts_rope_scaling]
+  for field, value in (
+    ("posenc.max_wavelength_pattern", cfg.max_wavelength_pattern),
+    ("posenc.scaling.kind", cfg.scaling.kind if cfg.scaling.kind != "none" else ""),
+    ("posenc.rope_truncate", cfg.rope_truncate or ""),
+    ("posenc.rope_resonance", cfg.rope_resonance or ""),
+  ):
+    if value and not rotary:
+      raise ValueError(
+        f"{field}={value!r} applies to rotary layers, and posenc.layer_pattern="
+        f"{cfg.layer_pattern!r} has none (rotary kinds: "
+        f"{tuple(k for k, c in POSENCS.items() if c.accepts_rope_scaling)})"
+      )
+  if cfg.randomize_max and not any(POSENCS[k].reads_positions for k in kinds):
+    raise ValueError(
+      f"posenc.randomize_max={cfg.randomize_max} randomizes positions that no layer of "
+      f"posenc.layer_pattern={cfg.layer_pattern!r} reads; set it to 0"
+    )
+  for layer in set(layer_configs(cfg)):
+    if not POSENCS[layer.kind].reads_positions:
+      layer = dataclasses.replace(layer, randomize_max=0)
+    validate_posenc(layer, causal=causal, head_dim=head_dim, attention_impl=attention_impl)
+
+
 def make_posenc(
   cfg: PosEncConfig,
   *,
@@ -116,7 +190,20 @@ def make_posenc(
   rngs: nnx.Rngs,
 ) -> PosEnc:
   """The encoding `POSENCS[cfg.kind]` (one per model) of a validated `cfg` (a ModelConfig
-  validates its posenc when it is built)."""
+  validates its posenc when it is built); with a per-layer pattern, a `LayerPattern` holding one
+  encoding per distinct layer config (parameter-free for kinds whose layers build their own,
+  `PosEnc.per_layer`)."""
+  common = dict(
+    num_heads=num_heads, head_dim=head_dim, emb_dim=emb_dim, causal=causal,
+    param_dtype=param_dtype, embed_init_std=embed_init_std, rngs=rngs,
+  )  # fmt: skip
+  if has_pattern(cfg):
+    configs = layer_configs(cfg)
+    distinct = list(dict.fromkeys(configs))
+    entries = [
+      (PosEnc if POSENCS[c.kind].per_layer(c) else POSENCS[c.kind])(c, **common) for c in distinct
+    ]
+    return LayerPattern(cfg, entries, tuple(distinct.index(c) for c in configs), **common)
   return POSENCS[cfg.kind](
     cfg,
     num_heads=num_heads,
@@ -135,6 +222,9 @@ __all__ = [
   "Cope",
   "Fire",
   "Kerple",
+  "LayerPattern",
+  "QUERY_SCALES",
+  "QueryScale",
   "Learned",
   "NoPE",
   "PosEnc",
@@ -145,6 +235,7 @@ __all__ = [
   "XPos",
   "alibi_slopes",
   "apply_rotary",
+  "layer_configs",
   "make_posenc",
   "rope_frequencies",
   "rope_long_term_decay",

@@ -92,6 +92,17 @@ class PosEnc(nnx.Module):
     such as linear attention, cannot honour it)."""
     return cls.bias is not PosEnc.bias
 
+  def layer(self, i: int) -> "PosEnc":
+    """The encoding layer i uses: this one, unless a per-layer pattern (`posenc.layers`) says
+    otherwise."""
+    del i
+    return self
+
+  def layer_state(self, state: Any, i: int) -> Any:
+    """Layer i's part of `prepare`'s state: all of it, unless a per-layer pattern splits it."""
+    del i
+    return state
+
   def embed(self, x_BLD: jax.Array, pos_BL: jax.Array) -> jax.Array:
     """Adds absolute position information to token embeddings [B, L, D] (identity here)."""
     del pos_BL

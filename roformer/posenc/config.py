@@ -41,6 +41,7 @@ class PosEncConfig:
   xpos_scale_base: float = 512.0
   scaling: RopeScaling = RopeScaling()
   rope_truncate: float = 0.0  # p-RoPE: fraction of the lowest frequencies that do not rotate
+  rope_resonance: bool = False  # Resonance RoPE: wavelengths 2 pi / theta rounded to integers
   randomize_max: int = 0  # positions: sorted random subsets of [0, N), also at eval; 0 = off
   fire_mlp_width: int = 32  # fire: hidden width of the MLP
   fire_init_c: float = 0.1  # fire: initial c of psi(x) = log(c x + 1)
@@ -49,3 +50,14 @@ class PosEncConfig:
   sandwich_dim: int = 0  # sandwich: dimension d' of the sinusoids; 0 = model.emb_dim
   cope_npos_max: int = 0  # cope: position embeddings; 0 = data.seq_len + 1 (or max_len + 1)
   cope_shared: bool = False  # cope: one table for all layers instead of one per layer
+  # Per-layer encodings (posenc/layers.py): kinds "k1,k2,..." and RoPE bases "b1,b2,...", each
+  # repeated over the layers; "" = every layer uses `kind` and `max_wavelength`.
+  layer_pattern: str = ""
+  max_wavelength_pattern: str = ""
+  # Query temperature (posenc/query_scale.py): none | logn | ssmax | llama4.
+  query_scale: str = "none"
+  query_scale_len: int = 0  # logn: the training length L0; 0 = data.seq_len
+  query_scale_beta: float = 0.1  # llama4: beta of 1 + beta log(floor((p + 1) / floor) + 1)
+  query_scale_floor: float = 8192.0  # llama4: floor_scale
+  # Kinds (of posenc.layer_pattern) whose layers scale their queries; "" = every layer.
+  query_scale_kinds: str = ""

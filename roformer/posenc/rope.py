@@ -15,6 +15,7 @@ import numpy as np
 from roformer.posenc.base import PosEnc, check_positions
 from roformer.posenc.config import PosEncConfig
 from roformer.posenc.prope import truncate_frequencies
+from roformer.posenc.resonance import resonance_frequencies
 from roformer.posenc.rope_scaling import check_scaling, rope_frequencies
 
 
@@ -161,7 +162,8 @@ class Rope(PosEnc):
   the frequencies (`rope_frequencies`); its attention factor multiplies sin and cos. Dynamic
   NTK reads the current length as max(kpos_BS) + 1, a traced value inside jit: `prepare` takes
   it from all key positions of a forward pass (or a decode step), and every layer rotates with
-  that one state.
+  that one state. `posenc.rope_resonance` rounds every wavelength to an integer (Resonance RoPE,
+  after the scaling: Resonance YaRN with `posenc.scaling.kind="yarn"`).
   """
 
   accepts_rope_scaling = True
@@ -199,6 +201,8 @@ class Rope(PosEnc):
     inv_freq, attention_factor = rope_frequencies(
       self.rotary_dims, self.cfg.max_wavelength, self.cfg.scaling, seq_len=seq_len
     )
+    if self.cfg.rope_resonance:  # before truncation: a zero frequency has no wavelength
+      inv_freq = resonance_frequencies(inv_freq)
     return truncate_frequencies(inv_freq, self.cfg.rope_truncate), attention_factor
 
   def prepare(self, kpos_BS: jax.Array) -> RotaryState:

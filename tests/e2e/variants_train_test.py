@@ -22,6 +22,17 @@ VARIANTS = {
   "window_pattern": {"model.attention_window_pattern": "4,0", "posenc.kind": "alibi"},
   "encoder_global": {"model.kind": "encoder", "model.attention_window": 4,
                      "model.global_tokens": 2, "posenc.kind": "t5"},
+  # The presets, at this length: chunks and windows of 4, the temperature's floor at 4.
+  "irope": {"config": "configs/irope.py", "model.num_layers": 4,
+            "model.attention_window_pattern": "4,4,4,0", "posenc.query_scale_floor": 4.0},
+  "rnope_swa": {"config": "configs/rnope_swa.py", "model.num_layers": 4,
+                "model.attention_window_pattern": "4,4,4,0", "model.attention_impl": "chunked",
+                "model.attention_block": 8},
+  "qk_rmsnorm_ssmax": {"model.qk_norm": "rmsnorm", "posenc.query_scale": "ssmax"},
+  "logn_gemma_bases": {"posenc.query_scale": "logn",
+                       "posenc.max_wavelength_pattern": "10000,1000000"},
+  "resonance_yarn": {"posenc.rope_resonance": True, "posenc.scaling.kind": "yarn",
+                     "posenc.scaling.factor": 2.0},
 }  # fmt: skip
 
 
@@ -46,6 +57,7 @@ def test_variant_trains_and_evaluates_at_four_times_the_training_length(tmp_path
     "train.log_every_steps": 3, "train.eval_every_steps": 6, "train.eval_max_tokens": 128,
     "train.checkpoint_every_steps": 6, "optim.warmup_steps": 1, **VARIANTS[name],
   }  # fmt: skip
+  config = overrides.pop("config", "configs/default.py")
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
 
   def run(*args):
@@ -55,7 +67,7 @@ def test_variant_trains_and_evaluates_at_four_times_the_training_length(tmp_path
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
 
-  run(REPO / "train.py", "--config=configs/default.py", f"--workdir={workdir}",
+  run(REPO / "train.py", f"--config={config}", f"--workdir={workdir}",
       *[f"--config.{k}={v}" for k, v in overrides.items()])  # fmt: skip
   lines = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
   assert np.isfinite([x["train_loss"] for x in lines if "train_loss" in x]).all()

@@ -92,9 +92,18 @@ print("SPECS " + json.dumps(specs))
 """
 
 
+# Per-layer encodings with chunked windows, QK-norm's learned scales and SSMax's per-head s.
+_FRONTIER = {
+  "posenc.layer_pattern": "rope,nope", "model.attention_window_pattern": "8,0",
+  "model.attention_window_kind": "chunked", "model.qk_norm": "rmsnorm",
+  "posenc.query_scale": "ssmax",
+}  # fmt: skip
+
+
 @pytest.mark.slow
-def test_sharded_training_matches_one_device(tmp_path):
-  overrides = {"train.num_train_steps": 20, "train.checkpoint_every_steps": 0}
+@pytest.mark.parametrize("options", [{}, _FRONTIER], ids=["default", "frontier"])
+def test_sharded_training_matches_one_device(tmp_path, options):
+  overrides = {"train.num_train_steps": 20, "train.checkpoint_every_steps": 0, **options}
   single = testing.run_train(tmp_path / "single", overrides, devices=1)
   assert single.returncode == 0, single.stderr[-3000:]
   sharded_overrides = {**overrides, "mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2}
@@ -114,6 +123,9 @@ def test_sharded_training_matches_one_device(tmp_path):
   assert specs[f"opt_state/1/0/mu/{kernel}"] == specs[kernel]
   assert specs["layers/0/attn/query/kernel"] == "P('fsdp', 'tensor', None)"
   assert specs["embed/embedding"] == "P(None, 'fsdp')"  # 261 rows: uneven over tensor
+  if options:  # one s per head, split with the heads; QK-norm scales span 'kv', replicated
+    assert specs["layers/0/attn/query_scale/s"] == "P('tensor',)"
+    assert specs["layers/0/attn/query_norm/scale"] == "P(None,)"
 
   single_train, single_eval = testing.read_metrics(tmp_path / "single")
   sharded_train, sharded_eval = testing.read_metrics(tmp_path / "sharded")

@@ -118,8 +118,10 @@ class LinearAttention(Attention):
     self.feature_map = feature_map
 
   @classmethod
-  def from_config(cls, cfg, *, head_dim, num_kv_heads, causal, window, dtype, param_dtype, rngs):
-    del window  # rejected by check_config
+  def from_config(
+    cls, cfg, *, head_dim, num_kv_heads, causal, window, dtype, param_dtype, rngs, layer=0
+  ):
+    del window, layer  # a window is rejected by check_config; every layer is alike
     return cls(
       cfg.emb_dim, cfg.num_heads, head_dim, num_kv_heads=num_kv_heads, causal=causal,
       use_bias=cfg.use_bias, qkv_bias=cfg.use_bias or cfg.qkv_bias, block=cfg.attention_block,

@@ -84,8 +84,10 @@ class MLAttention(nnx.Module):
     )  # fmt: skip
 
   @classmethod
-  def from_config(cls, cfg, *, head_dim, num_kv_heads, causal, window, dtype, param_dtype, rngs):
-    del num_kv_heads  # one shared rotary key; keys and values come from the latent
+  def from_config(
+    cls, cfg, *, head_dim, num_kv_heads, causal, window, dtype, param_dtype, rngs, layer=0
+  ):
+    del num_kv_heads, layer  # one shared rotary key; keys and values come from the latent
     return cls(
       cfg, head_dim=head_dim, causal=causal, window=window, dtype=dtype,
       param_dtype=param_dtype, rngs=rngs,

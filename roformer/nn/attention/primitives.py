@@ -35,7 +35,7 @@ def check_ranks(q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS):
     raise ValueError(f"positions {qpos_BL.shape}, {kpos_BS.shape} do not match q and k")
 
 
-WINDOW_KINDS = ("sliding", "blockwise")
+WINDOW_KINDS = ("sliding", "blockwise", "chunked")
 
 
 def attention_mask(
@@ -61,7 +61,11 @@ def attention_mask(
       attention (BCA, the LeX code): positions fall in blocks of window / 2, and a query sees
       keys of its own block and of the block before (kpos // b >= qpos // b - 1 with
       b = window // 2), so between window / 2 and `window` keys and no distance of `window` or
-      more; inputs of at most `window` positions see every earlier key.
+      more; inputs of at most `window` positions see every earlier key. "chunked": Llama 4's
+      chunked local attention (`attention_chunk_size`): positions fall in chunks of `window`
+      and a query sees keys of its own chunk only (kpos // w == qpos // w), so between 1 and
+      `window` keys, all within `window` - 1 positions (inside a sliding window's band and ring
+      buffer).
     global_tokens: with a window, positions below this attend to and are attended by every
       key and query of their segment (Longformer's global attention).
 
@@ -78,6 +82,8 @@ def attention_mask(
   if window > 0 and window_kind == "blockwise":
     half = max(1, window // 2)
     mask_BLS &= kpos_B1S // half >= qpos_BL1 // half - 1
+  elif window > 0 and window_kind == "chunked":
+    mask_BLS &= kpos_B1S // window == qpos_BL1 // window
   elif window > 0:
     near_BLS = jnp.abs(qpos_BL1 - kpos_B1S) < window
     if global_tokens > 0:

@@ -17,7 +17,11 @@ from flax import nnx
 
 from roformer.nn.attention import kv_cache
 from roformer.nn.attention.kernels import KERNELS, dense_attention
+from roformer.nn.attention.qk_norm import l2_norm, qk_norm_layers
 from roformer.nn.layers import tokens
+from roformer.posenc import QueryScale, layer_configs
+from roformer.posenc.config import PosEncConfig
+from roformer.posenc.layers import kind_list
 
 if TYPE_CHECKING:
   from roformer.posenc import PosEnc
@@ -57,6 +61,9 @@ class Attention(nnx.Module):
     window: int = 0,
     window_kind: str = "sliding",
     global_tokens: int = 0,
+    qk_norm: str = "none",
+    norm_eps: float = 1e-6,
+    query_scale: PosEncConfig | None = None,
     dtype=jnp.float32,
     param_dtype=jnp.float32,
     rngs: nnx.Rngs,
@@ -98,15 +105,35 @@ class Attention(nnx.Module):
       kernel_init=kernel_init((0, 1), 2, ("heads", "kv", "embed")),
       bias_init=nnx.with_partitioning(nnx.initializers.zeros, ("embed",)), **common,
     )  # fmt: skip
+    # QK-norm (qk_norm.py): "rmsnorm" learns a scale [K] for queries and one for keys.
+    self.qk_norm = qk_norm
+    self.norm_eps = norm_eps
+    rmsnorm = qk_norm == "rmsnorm"
+    self.query_norm, self.key_norm = (
+      qk_norm_layers(K, norm_eps, dtype, param_dtype, rngs) if rmsnorm else (None, None)
+    )
+    self.query_scale = (
+      None
+      if query_scale is None or query_scale.query_scale == "none"
+      else QueryScale(query_scale, num_heads=H, param_dtype=param_dtype, rngs=rngs)
+    )
 
   @classmethod
-  def from_config(cls, cfg, *, head_dim, num_kv_heads, causal, window, dtype, param_dtype, rngs):
+  def from_config(
+    cls, cfg, *, head_dim, num_kv_heads, causal, window, dtype, param_dtype, rngs, layer=0
+  ):
+    """Layer `layer` of the model `cfg`: its QK-norm and query temperature follow its kind
+    under a per-layer pattern (`model.qk_norm_kinds`, `posenc.query_scale_kinds`)."""
+    layer_posenc = layer_configs(cfg.posenc, cfg.num_layers)[layer]
+    normed = not cfg.qk_norm_kinds or layer_posenc.kind in kind_list(cfg.qk_norm_kinds)
     return cls(
       cfg.emb_dim, cfg.num_heads, head_dim, num_kv_heads=num_kv_heads, causal=causal,
       use_bias=cfg.use_bias, qkv_bias=cfg.use_bias or cfg.qkv_bias,
       dropout_rate=cfg.dropout_rate, impl=cfg.attention_impl,
       block=cfg.attention_block, window=window, window_kind=cfg.attention_window_kind,
-      global_tokens=cfg.global_tokens, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+      global_tokens=cfg.global_tokens, qk_norm=cfg.qk_norm if normed else "none",
+      norm_eps=cfg.norm_eps, query_scale=layer_posenc, dtype=dtype, param_dtype=param_dtype,
+      rngs=rngs,
     )  # fmt: skip
 
   @classmethod
@@ -169,7 +196,7 @@ class Attention(nnx.Module):
       ([B, L, H, K] in the compute dtype, the updated cache or None).
     """
     q_BLHK, k_BLGK, v_BLGK = self.qkv(x_BLD)
-    q_BLHK, k_BLGK = posenc.rotate(q_BLHK, k_BLGK, pos_BL, pos_BL, rotary_state)
+    q_BLHK, k_BLGK = self._encode(q_BLHK, k_BLGK, pos_BL, posenc, rotary_state)
     if cache is not None:
       cache = kv_cache.KVCache(
         kv_cache.write(cache.k_BCGK, k_BLGK, pos_BL),
@@ -179,7 +206,8 @@ class Attention(nnx.Module):
         kpos_BC, kseg_BC = kv_cache.cache_keys(cache.k_BCGK.shape[1], pos_BL)
         o_BLHK = dense_attention(
           q_BLHK, cache.k_BCGK, cache.v_BCGK, pos_BL, kpos_BC, qseg_BL=jnp.zeros_like(pos_BL),
-          kseg_BS=kseg_BC, causal=True, window=self.window, bias_fn=posenc.bias,
+          kseg_BS=kseg_BC, causal=True, window=self.window, window_kind=self.window_kind,
+          bias_fn=posenc.bias,
         )  # fmt: skip
         return o_BLHK, cache
     o_BLHK = KERNELS[self.impl](
@@ -201,3 +229,16 @@ class Attention(nnx.Module):
       global_tokens=self.global_tokens,
     )
     return o_BLHK, cache
+
+  def _encode(self, q_BLHK, k_BLGK, pos_BL, posenc, rotary_state):
+    """Queries and keys as the kernels see them: QK-norm "rmsnorm" (before rotation, as OLMo 2,
+    Qwen3 and Gemma 3), the encoding's rotation, QK-norm "l2" (after it, as Llama 4), then the
+    query temperature (after both, as Llama 4). Keys leave here as the cache stores them."""
+    if self.query_norm is not None:
+      q_BLHK, k_BLGK = self.query_norm(q_BLHK), self.key_norm(k_BLGK)
+    q_BLHK, k_BLGK = posenc.rotate(q_BLHK, k_BLGK, pos_BL, pos_BL, rotary_state)
+    if self.qk_norm == "l2":
+      q_BLHK, k_BLGK = l2_norm(q_BLHK, self.norm_eps), l2_norm(k_BLGK, self.norm_eps)
+    if self.query_scale is not None:
+      q_BLHK = self.query_scale(q_BLHK, pos_BL)
+    return q_BLHK, k_BLGK

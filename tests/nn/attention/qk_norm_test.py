@@ -1,0 +1,83 @@
+"""Tests of QK-norm (model.qk_norm): formulas and placement around the rotation."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from roformer import testing
+from roformer.nn.attention.qk_norm import l2_norm
+from roformer.nn.attention.softmax import Attention
+
+K = 8
+
+
+def _normal(shape, seed):
+  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
+
+
+def _rms_by_hand(x, eps):
+  x = np.asarray(x, np.float64)
+  return x / np.sqrt((x**2).mean(-1, keepdims=True) + eps)
+
+
+def _attention(qk_norm):
+  with nnx.use_eager_sharding(False):
+    return Attention(16, 4, K, num_kv_heads=2, causal=True, qk_norm=qk_norm, norm_eps=1e-5,
+                     rngs=nnx.Rngs(0))  # fmt: skip
+
+
+def test_l2_norm_divides_by_the_root_mean_square_as_llama4():
+  x = _normal((2, 3, 4, K), 0) * 3.0
+  np.testing.assert_allclose(l2_norm(x, 1e-5), _rms_by_hand(x, 1e-5), rtol=1e-5)
+  # Llama4TextL2Norm's mean, not a sum: each head ends with norm sqrt(K), not 1.
+  np.testing.assert_allclose(np.linalg.norm(l2_norm(x, 0.0), axis=-1), np.sqrt(K), rtol=1e-5)
+
+
+def test_rmsnorm_scales_before_the_rotation_and_l2_normalises_after_it():
+  rope = testing.build_posenc("rope", num_heads=4, head_dim=K)
+  q, k = _normal((2, 5, 4, K), 1), _normal((2, 5, 2, K), 2)
+  pos = testing.arange_positions(2, 5, start=3)
+  attn = _attention("rmsnorm")
+  # A scale per dim, so that the norm no longer commutes with the rotation.
+  scale_q, scale_k = np.asarray(_normal((K,), 3)), np.asarray(_normal((K,), 4))
+  attn.query_norm.scale[...], attn.key_norm.scale[...] = jnp.asarray(scale_q), jnp.asarray(scale_k)
+  got_q, got_k = attn._encode(q, k, pos, rope, None)
+  want_q, want_k = rope.rotate(
+    jnp.asarray(_rms_by_hand(q, 1e-5) * scale_q, jnp.float32),
+    jnp.asarray(_rms_by_hand(k, 1e-5) * scale_k, jnp.float32), pos, pos,
+  )  # fmt: skip
+  np.testing.assert_allclose(got_q, want_q, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(got_k, want_k, rtol=1e-5, atol=1e-5)
+  rot_q, _ = rope.rotate(q, k, pos, pos)
+  after_q = _rms_by_hand(rot_q, 1e-5) * scale_q  # the norm after RoPE instead differs
+  assert not np.allclose(got_q, after_q, atol=1e-3)
+
+  attn = _attention("l2")
+  got_q, got_k = attn._encode(q, k, pos, rope, None)
+  rot_q, rot_k = rope.rotate(q, k, pos, pos)
+  np.testing.assert_allclose(got_q, _rms_by_hand(rot_q, 1e-5), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(got_k, _rms_by_hand(rot_k, 1e-5), rtol=1e-5, atol=1e-6)
+
+
+def test_qk_norm_kinds_normalise_only_the_layers_of_those_kinds():
+  cfg = testing.tiny_model_config(
+    "rope", dict(layer_pattern="rope,nope"), num_layers=4, qk_norm="rmsnorm", qk_norm_kinds="rope"
+  )
+  model = testing.random_model(cfg)
+  assert [layer.attn.query_norm is not None for layer in model.layers] == [True, False] * 2
+  assert [layer.attn.qk_norm for layer in model.layers] == ["rmsnorm", "none"] * 2
+
+
+@pytest.mark.parametrize(
+  "fields, field",
+  [
+    (dict(qk_norm="l1"), "model.qk_norm='l1'"),
+    (dict(qk_norm="l2", attention="mla", kv_lora_rank=8, qk_rope_head_dim=4), "model.qk_norm"),
+    (dict(qk_norm="none", qk_norm_kinds="rope"), "model.qk_norm_kinds"),
+    (dict(qk_norm="l2", qk_norm_kinds="nope"), "model.qk_norm_kinds"),
+  ],
+)
+def test_bad_qk_norm_settings_are_refused_naming_the_field(fields, field):
+  with pytest.raises(ValueError, match=field):
+    testing.tiny_model_config("rope", **fields)

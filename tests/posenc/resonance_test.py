@@ -1,0 +1,55 @@
+"""Tests of Resonance RoPE (posenc.rope_resonance) against hand computations."""
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from roformer import posenc, testing
+from roformer.posenc.config import PosEncConfig, RopeScaling
+from roformer.posenc.resonance import resonance_frequencies
+
+
+def test_wavelengths_round_to_integers_and_frequencies_follow():
+  # d = 8, base 10^4: theta = 1, 0.1, 0.01, 0.001; 2 pi / theta = 6.28, 62.8, 628.3, 6283.2.
+  got = resonance_frequencies(jnp.asarray([1.0, 0.1, 0.01, 0.001], jnp.float32))
+  want = [2 * math.pi / w for w in (6, 63, 628, 6283)]
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def _inv_freq(**fields):
+  rope = testing.build_posenc("rope", num_heads=2, head_dim=8, **fields)
+  return np.asarray(rope.prepare(testing.arange_positions(1, 4)).inv_freq, np.float64)
+
+
+def test_resonance_yarn_rounds_the_wavelengths_yarn_produced():
+  yarn = RopeScaling(kind="yarn", factor=4.0, original_max_len=64)
+  plain_yarn = _inv_freq(scaling=yarn)
+  by_hand = 2 * math.pi / np.round(2 * math.pi / plain_yarn)
+  np.testing.assert_allclose(_inv_freq(scaling=yarn, rope_resonance=True), by_hand, rtol=1e-6)
+  assert not np.allclose(plain_yarn, by_hand, rtol=1e-4)  # rounding changed them
+  # YaRN's attention factor is untouched.
+  rope = testing.build_posenc("rope", num_heads=2, head_dim=8, scaling=yarn, rope_resonance=True)
+  assert rope.prepare(testing.arange_positions(1, 4)).attention_factor == pytest.approx(
+    0.1 * math.log(4.0) + 1
+  )
+
+
+def test_resonance_pairs_repeat_every_whole_wavelength():
+  # Pair 1 (dims 2, 3; theta = 10000^(-2/4) = 0.01): wavelength 628.3 -> 628 positions.
+  rotations = {}
+  for resonance in (True, False):
+    rope = testing.build_posenc("rope", num_heads=1, head_dim=4, rope_resonance=resonance)
+    q = jnp.ones((1, 2, 1, 4))
+    pos = jnp.asarray([[3, 3 + 628 * 5]])
+    q_rot, _ = rope.rotate(q, q, pos, pos)
+    rotations[resonance] = np.asarray(q_rot)[0, :, 0, 2:]
+  np.testing.assert_allclose(rotations[True][0], rotations[True][1], atol=1e-4)
+  assert not np.allclose(rotations[False][0], rotations[False][1], atol=1e-2)
+
+
+def test_resonance_of_a_non_rotary_encoding_is_refused_naming_the_field():
+  with pytest.raises(ValueError, match="posenc.rope_resonance"):
+    posenc.validate_posenc(PosEncConfig(kind="alibi", rope_resonance=True), causal=True,
+                           head_dim=8)  # fmt: skip
