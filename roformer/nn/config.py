@@ -169,6 +169,11 @@ def validate_model(cfg: ModelConfig) -> None:
       "input); an encoder needs model.pre_norm=True for it"
     )
   _check_windows(cfg)
+  if cfg.posenc.extension.kind != "none" and cfg.attention != "softmax":
+    raise ValueError(
+      f"posenc.extension.kind={cfg.posenc.extension.kind!r} remaps positions inside the softmax "
+      f"attention kernels; model.attention={cfg.attention!r} does not honour it"
+    )
   attention = ATTENTIONS[cfg.attention]
   attention.check_config(cfg, POSENCS.get(cfg.posenc.kind))
   validate_posenc(

@@ -28,6 +28,57 @@ class RopeScaling:
     return None if self.kind == "none" else dataclasses.asdict(self)
 
 
+# Training-free context extensions (roformer/posenc/extension.py); "none" leaves positions alone.
+EXTENSION_KINDS = ("none", "self_extend", "dca", "rerope", "string", "sinks")
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextExtension:
+  """A training-free context extension: the relative position (or the mask) of each
+  (query, key) pair is remapped at evaluation (`roformer.posenc.extension`).
+
+  Which fields a kind reads (each must then be set; 0 means "not set"):
+    self_extend: window (neighbour window W), group (group size G).
+    dca: chunk (chunk length s), local (local window w).
+    rerope: window (the clamp w).
+    string: shift (shifted offset S), local (local value W < S).
+    sinks: sinks (first tokens kept), window (recent keys, the query included).
+  """
+
+  kind: str = "none"
+  window: int = 0
+  group: int = 0
+  chunk: int = 0
+  local: int = 0
+  shift: int = 0
+  sinks: int = 0
+
+  def __post_init__(self):
+    if self.kind not in EXTENSION_KINDS:
+      raise ValueError(f"posenc.extension.kind={self.kind!r} is not one of {EXTENSION_KINDS}")
+    for name in ("window", "group", "chunk", "local", "shift", "sinks"):
+      if getattr(self, name) < 0:
+        raise ValueError(f"posenc.extension.{name}={getattr(self, name)} must be >= 0")
+    needs = {
+      "self_extend": ("window", "group"),
+      "dca": ("chunk",),
+      "rerope": ("window",),
+      "string": ("shift",),
+      "sinks": ("window",),
+    }.get(self.kind, ())
+    for name in needs:
+      if getattr(self, name) < 1:
+        raise ValueError(
+          f"posenc.extension.kind={self.kind!r} needs posenc.extension.{name} >= 1 "
+          f"(eval.py --extend_{name})"
+        )
+    if self.kind == "string" and self.local >= self.shift:
+      raise ValueError(
+        f"posenc.extension.local={self.local} must be below posenc.extension.shift="
+        f"{self.shift} for kind 'string' (shifted distances d - shift + local must shrink)"
+      )
+
+
 @dataclasses.dataclass(frozen=True)
 class PosEncConfig:
   kind: str = "rope"
@@ -40,6 +91,8 @@ class PosEncConfig:
   xpos_gamma: float = 0.4
   xpos_scale_base: float = 512.0
   scaling: RopeScaling = RopeScaling()
+  # Training-free context extension (rotary encodings, decoders; usually set at evaluation).
+  extension: ContextExtension = ContextExtension()
   rope_truncate: float = 0.0  # p-RoPE: fraction of the lowest frequencies that do not rotate
   randomize_max: int = 0  # positions: sorted random subsets of [0, N), also at eval; 0 = off
   fire_mlp_width: int = 32  # fire: hidden width of the MLP

@@ -14,6 +14,7 @@ import numpy as np
 
 from roformer.posenc.base import PosEnc, check_positions
 from roformer.posenc.config import PosEncConfig
+from roformer.posenc.extension import position_pieces
 from roformer.posenc.prope import truncate_frequencies
 from roformer.posenc.rope_scaling import check_scaling, rope_frequencies
 
@@ -228,6 +229,15 @@ class Rope(PosEnc):
       apply_rotary(q_BLHK, sin_q, cos_q, layout=layout),
       apply_rotary(k_BSGK, sin_k, cos_k, layout=layout),
     )
+
+  def extends_positions(self) -> bool:
+    return self.cfg.extension.kind != "none"
+
+  def position_pieces(self, qpos_BL, kpos_BS):
+    """`posenc.extension`'s pieces for a block of positions (see `PosEnc.position_pieces`)."""
+    if not self.extends_positions():
+      return None
+    return position_pieces(self.cfg.extension, qpos_BL, kpos_BS)
 
 
 class XPos(Rope):

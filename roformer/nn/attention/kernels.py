@@ -12,16 +12,20 @@ import jax
 import jax.numpy as jnp
 
 from roformer.nn.attention import banded
+from roformer.nn.attention.piecewise import pieces_cover, piecewise_scores
 from roformer.nn.attention.primitives import (
   NEG,
   BiasFn,
   ContentBiasFn,
+  PiecesFn,
+  RotateFn,
   attention_mask,
   check_ranks,
   dropout,
   for_each_query_block,
   online_softmax_init,
   online_softmax_output,
+  online_softmax_step,
   online_softmax_update,
   split_blocks,
   split_heads,
@@ -46,6 +50,8 @@ def dense_attention(
   dropout_key: jax.Array | None = None,
   block: int = 512,
   global_tokens: int = 0,
+  pieces_fn: PiecesFn | None = None,
+  rotate_fn: RotateFn | None = None,
 ):
   """Reference kernel: materialises the [L, S] scores, fp32 softmax.
 
@@ -65,6 +71,9 @@ def dense_attention(
     dropout_rate, dropout_key: attention-probability dropout (no dropout when the key is None).
     block: unused (kept so every kernel has the same signature).
     global_tokens: see `attention_mask`.
+    pieces_fn, rotate_fn: piecewise positions (`roformer.nn.attention.piecewise`): q and k come
+      unrotated, each pair's logit is that of the piece covering it under `rotate_fn`, and
+      pairs no piece covers are masked. None: q and k come rotated.
 
   Returns:
     [B, L, H, K] in the dtype of q. A query with no allowed key gets zeros.
@@ -74,7 +83,7 @@ def dense_attention(
   B, L, H, K = q_BLHK.shape
   S, G = k_BSGK.shape[1:3]
   # Bidirectional attention over one segment needs no mask at all.
-  masked = qseg_BL is not None or causal or window > 0
+  masked = qseg_BL is not None or causal or window > 0 or pieces_fn is not None
   # Heads first: every product is a GEMM batched over (B, G) with one contracting axis, which
   # XLA:CPU runs on the [L, S] operands in place; with the heads after the positions it copies
   # them into a transposed layout, in the forward pass and again in the backward pass.
@@ -97,10 +106,18 @@ def dense_attention(
     if content_bias_fn is not None:  # one span: the whole [L, S]
       content_BHLS = content_bias_fn(q_BLHK, k_BSGK, mask_BTE)
       bias_BHTE = content_BHLS if bias_BHTE is None else bias_BHTE + content_BHLS
-    o_BGRTK = _softmax_attention(
-      q_BGRLK[:, :, :, start:end], k_BGSK[:, :, :keys], v_BGSK[:, :, :keys], mask_BTE,
-      bias_BHTE, dropout_rate, dropout_key,
-    )  # fmt: skip
+    if pieces_fn is None:
+      o_BGRTK = _softmax_attention(
+        q_BGRLK[:, :, :, start:end], k_BGSK[:, :, :keys], v_BGSK[:, :, :keys], mask_BTE,
+        bias_BHTE, dropout_rate, dropout_key,
+      )  # fmt: skip
+    else:
+      s_BGRTE, covered_BTE = piecewise_scores(
+        q_BLHK[:, start:end], k_BSGK[:, :keys], qpos_BT, kpos_BE, bias_BHTE,
+        pieces_fn=pieces_fn, rotate_fn=rotate_fn,
+      )  # fmt: skip
+      mask_BTE = mask_BTE & covered_BTE
+      o_BGRTK = _softmax_values(s_BGRTE, v_BGSK[:, :, :keys], mask_BTE, dropout_rate, dropout_key)
     if masked:  # a query with no allowed key gets zeros (as in `chunked`), not the mean of v
       o_BGRTK = jnp.where(mask_BTE.any(axis=-1)[:, None, None, :, None], o_BGRTK, 0.0)
     o_blocks.append(o_BGRTK)
@@ -142,6 +159,13 @@ def _softmax_attention(q_BGRLK, k_BGSK, v_BGSK, mask_BLS, bias_BHLS, dropout_rat
   s_BGRLS = s_BGMS.reshape(B, G, R, L, S) * (1.0 / math.sqrt(K))
   if bias_BHLS is not None:
     s_BGRLS = s_BGRLS + bias_BHLS.astype(jnp.float32).reshape(B, G, R, L, S)
+  return _softmax_values(s_BGRLS, v_BGSK, mask_BLS, dropout_rate, dropout_key)
+
+
+def _softmax_values(s_BGRLS, v_BGSK, mask_BLS, dropout_rate, dropout_key):
+  """softmax(masked logits [B, G, R, L, S]) v, heads first: [B, G, R, L, K] (fp32 softmax)."""
+  B, G, R, L, S = s_BGRLS.shape
+  K = v_BGSK.shape[-1]
   if mask_BLS is not None:
     s_BGRLS = jnp.where(mask_BLS[:, None, None], s_BGRLS, NEG)
   # fp32 softmax for stability. jax.nn.softmax's custom JVP keeps the backward pass to one
@@ -174,6 +198,8 @@ def chunked_attention(
   dropout_key: jax.Array | None = None,
   block: int = 512,
   global_tokens: int = 0,
+  pieces_fn: PiecesFn | None = None,
+  rotate_fn: RotateFn | None = None,
 ):
   """Blockwise online-softmax kernel: memory O(L * block), any L and S.
 
@@ -192,6 +218,9 @@ def chunked_attention(
   Windowed self-attention without global tokens visits only the key blocks inside the window
   (`roformer.nn.attention.banded`): O(L * w) time instead of a scan over every key block.
 
+  Piecewise positions (`pieces_fn`) score each key block once per piece; a key block no piece
+  covers for any query of the block (attention sinks' middle) is skipped like a masked one.
+
   Args and returns: as `dense_attention`; `block` is the query and key block size. A
   `content_bias_fn` is refused: its cumulative sums run across key blocks.
   """
@@ -203,7 +232,7 @@ def chunked_attention(
   check_ranks(q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS)
   B, L, H, K = q_BLHK.shape
   S, G = k_BSGK.shape[1:3]
-  if window > 0 and not global_tokens and S == L:
+  if window > 0 and not global_tokens and S == L and pieces_fn is None:
     if banded.visited_blocks(L, block, window, causal) < -(-L // min(block, L)):
       return banded.banded_attention(
         q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS, qseg_BL=qseg_BL, kseg_BS=kseg_BS,
@@ -232,13 +261,23 @@ def chunked_attention(
         qpos_Bq, kpos_Bk, qseg_Bq, kseg_Bk, causal=causal, window=window,
         window_kind=window_kind, global_tokens=global_tokens,
       )  # fmt: skip
-      mask_B11qk = (mask_BqBk & kvalid_Bk[:, None, :])[:, None, None]
+      mask_BqBk &= kvalid_Bk[:, None, :]
+      if pieces_fn is not None:  # pairs no piece covers are masked
+        mask_BqBk &= pieces_cover(pieces_fn(qpos_Bq, kpos_Bk))
+      mask_B11qk = mask_BqBk[:, None, None]
 
       def update(carry):
         bias = None if bias_fn is None else bias_fn(qpos_Bq, kpos_Bk)
         key = None
         if dropout_key is not None:
           key = jax.random.fold_in(jax.random.fold_in(dropout_key, qi), ki)
+        if pieces_fn is not None:
+          s_BGRqk, _ = piecewise_scores(
+            q_BqHK, k_BkGK, qpos_Bq, kpos_Bk, bias, pieces_fn=pieces_fn, rotate_fn=rotate_fn
+          )
+          return online_softmax_step(
+            carry, s_BGRqk, v_BkGK, mask_B11qk, dropout_rate=dropout_rate, dropout_key=key
+          )
         return online_softmax_update(
           carry, q_BqGRK, k_BkGK, v_BkGK, mask_B11qk, bias, dropout_rate=dropout_rate,
           dropout_key=key,

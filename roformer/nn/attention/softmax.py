@@ -169,7 +169,22 @@ class Attention(nnx.Module):
       ([B, L, H, K] in the compute dtype, the updated cache or None).
     """
     q_BLHK, k_BLGK, v_BLGK = self.qkv(x_BLD)
-    q_BLHK, k_BLGK = posenc.rotate(q_BLHK, k_BLGK, pos_BL, pos_BL, rotary_state)
+    piecewise = {}
+    if posenc.extends_positions():
+      # A context extension remaps each (query, key) pair's distance: the kernel rotates q and
+      # k per piece, always with the pass's rotary state.
+      if cache is not None:
+        raise ValueError(
+          "generation with a KV cache of rotated keys cannot remap positions per (query, key) "
+          "pair; posenc.extension applies to full forward passes (evaluation)"
+        )
+      state = posenc.prepare(pos_BL) if rotary_state is None else rotary_state
+      piecewise = dict(
+        pieces_fn=posenc.position_pieces,
+        rotate_fn=lambda q, k, qpos, kpos: posenc.rotate(q, k, qpos, kpos, state),
+      )
+    else:
+      q_BLHK, k_BLGK = posenc.rotate(q_BLHK, k_BLGK, pos_BL, pos_BL, rotary_state)
     if cache is not None:
       cache = kv_cache.KVCache(
         kv_cache.write(cache.k_BCGK, k_BLGK, pos_BL),
@@ -199,5 +214,6 @@ class Attention(nnx.Module):
       dropout_key=dropout_key,
       block=self.block,
       global_tokens=self.global_tokens,
+      **piecewise,
     )
     return o_BLHK, cache
