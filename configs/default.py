@@ -152,7 +152,7 @@ def get_config() -> ml_collections.ConfigDict:
   posenc.cope_shared = False
   # RoPE context-extension scaling (also overridable at evaluation time).
   posenc.scaling = scaling = ml_collections.ConfigDict()
-  # One of: none, linear, ntk, dynamic, ntk_by_parts, yarn, llama3.
+  # One of: none, linear, ntk, dynamic, ntk_by_parts, yarn, llama3, longrope.
   scaling.kind = "none"
   # Context extension factor s.
   scaling.factor = 1.0
@@ -171,6 +171,13 @@ def get_config() -> ml_collections.ConfigDict:
   scaling.low_freq_factor = 1.0
   # llama3: wavelengths shorter than L0 / high_freq_factor are left alone.
   scaling.high_freq_factor = 4.0
+  # longrope: per-dimension divisors of the frequencies (head_dim / 2 numbers) for lengths up
+  # to original_max_len, as Hugging Face's short_factor.
+  scaling.short_factor = ()
+  # longrope: the divisors for lengths beyond original_max_len (Hugging Face's long_factor).
+  scaling.long_factor = ()
+  # longrope: multiplier of sin and cos (0 = sqrt(1 + ln(factor) / ln(original_max_len))).
+  scaling.attention_factor = 0.0
   # Training-free context extension of rotary decoders (eval.py --extend=KIND sets it at
   # evaluation): each (query, key) pair gets remapped positions (roformer/posenc/extension.py).
   posenc.extension = extension = ml_collections.ConfigDict()

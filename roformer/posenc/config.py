@@ -10,7 +10,11 @@ class RopeScaling:
   """A RoPE context-extension scaling; `kind="none"` leaves the frequencies alone.
 
   Zero means "not set" for `original_max_len` (then the run's training length is used),
-  `mscale` and `mscale_all_dim` (then YaRN's attention factor is 0.1 ln(factor) + 1).
+  `mscale` and `mscale_all_dim` (then YaRN's attention factor is 0.1 ln(factor) + 1), and
+  `attention_factor` (then LongRoPE's is sqrt(1 + ln(factor) / ln(original_max_len))).
+  `short_factor` and `long_factor` are LongRoPE's per-dimension divisors of the frequencies
+  (head_dim / 2 each, Hugging Face's `longrope` lists), for lengths up to and beyond
+  `original_max_len`.
   """
 
   kind: str = "none"
@@ -22,6 +26,14 @@ class RopeScaling:
   mscale_all_dim: float = 0.0
   low_freq_factor: float = 1.0
   high_freq_factor: float = 4.0
+  short_factor: tuple[float, ...] = ()
+  long_factor: tuple[float, ...] = ()
+  attention_factor: float = 0.0
+
+  def __post_init__(self):
+    # Lists (config.json) become tuples of floats: the config stays hashable.
+    for name in ("short_factor", "long_factor"):
+      object.__setattr__(self, name, tuple(float(x) for x in getattr(self, name)))
 
   def as_mapping(self) -> dict | None:
     """The mapping `rope_frequencies(scaling=...)` takes, or None for kind "none"."""

@@ -187,6 +187,12 @@ class Rope(PosEnc):
       )
     if not cfg.max_wavelength > 1:
       raise ValueError(f"posenc.max_wavelength={cfg.max_wavelength} must be > 1")
+    pairs = rotary_dims(head_dim, cfg.rope_fraction) // 2
+    if cfg.scaling.kind == "longrope" and len(cfg.scaling.short_factor) != pairs:
+      raise ValueError(
+        f"posenc.scaling.short_factor and long_factor have {len(cfg.scaling.short_factor)} "
+        f"entries; the rotary dims of model.head_dim={head_dim} need {pairs}"
+      )
     if cfg.scaling.kind in ("ntk", "dynamic") and rotary_dims(head_dim, cfg.rope_fraction) <= 2:
       raise ValueError(
         f"posenc.scaling.kind={cfg.scaling.kind!r} needs at least 4 rotary dims "
