@@ -15,6 +15,8 @@ import sys
 
 from absl import app, flags, logging
 
+from roformer.evals import extend_flags
+
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", None, "Run directory to evaluate (its config.json and checkpoints).")
 flags.DEFINE_string(
@@ -50,22 +52,7 @@ flags.DEFINE_integer(
 flags.DEFINE_bool(
   "bca", False, "Blockwise causal attention (xPos): blocks of --window or the training length."
 )
-flags.DEFINE_enum(
-  "extend",
-  "none",
-  ["none", "self_extend", "dca", "rerope", "string", "sinks"],
-  "Training-free context extension of a rotary decoder (README: Context extension).",
-)
-flags.DEFINE_integer(
-  "extend_window",
-  0,
-  "self_extend: neighbour window W; rerope: clamp w; sinks: recent keys (the query included).",
-)
-flags.DEFINE_integer("extend_group", 0, "self_extend: group size G.")
-flags.DEFINE_integer("extend_chunk", 0, "dca: chunk length s.")
-flags.DEFINE_integer("extend_local", 0, "dca: local window w; string: local value W.")
-flags.DEFINE_integer("extend_shift", 0, "string: shifted offset S.")
-flags.DEFINE_integer("extend_sinks", 0, "sinks: first tokens every query keeps.")
+extend_flags.define_flags()
 flags.DEFINE_string("data_files", "", "Glob of other text, tokenized with the run's tokenizer.")
 flags.DEFINE_string("out", "", "NAME of DIR/eval/NAME.json|png (or of the JSON --compare reads).")
 flags.DEFINE_list("compare", [], "Workdirs (or eval JSON files) to draw in one plot.")
@@ -85,13 +72,11 @@ flags.DEFINE_integer(
   "(each sequence takes a fresh subset of [0, posenc.randomize_max), as in training).",
 )
 
-# --extend's numbers, each a ContextExtension field (--extend_window is its `window`).
-EXTEND_FLAGS = tuple(f"extend_{f}" for f in ("window", "group", "chunk", "local", "shift", "sinks"))
 # Flags that only evaluating one --workdir reads (an error with --compare).
 WORKDIR_FLAGS = (
   "workdir", "hf_model", "lengths", "protocol", "stride", "max_tokens", "split", "step",
   "batch_size", "rope_scaling", "rope_factor", "window", "bca", "data_files", "overwrite",
-  "task_lengths", "task_examples", "position_draws", "extend", *EXTEND_FLAGS,
+  "task_lengths", "task_examples", "position_draws", *extend_flags.NAMES,
 )  # fmt: skip
 # --overwrite is read by both modes: --workdir's JSON and PNG, --compare's --plot.
 
@@ -113,7 +98,7 @@ def _check_flag_combinations() -> None:
     raise ValueError(f"--rope_factor={FLAGS.rope_factor} needs --rope_scaling=KIND")
   if given("stride") and FLAGS.protocol == "nonoverlapping":
     raise ValueError("--stride sets sliding windows; it is not read with --protocol=nonoverlapping")
-  if FLAGS.task_lengths and any(given(n) for n in ("extend", *EXTEND_FLAGS)):
+  if FLAGS.task_lengths and any(given(n) for n in extend_flags.NAMES):
     raise ValueError("--extend applies to perplexity evaluation, not --task_lengths")
   if FLAGS.hf_model:
     for name in ("step", "task_lengths"):
@@ -188,8 +173,8 @@ def main(argv):
       rope_factor=FLAGS.rope_factor,
       attention_window=FLAGS.window,
       bca=FLAGS.bca,
-      extend=FLAGS.extend,
-      extend_fields={name.removeprefix("extend_"): FLAGS[name].value for name in EXTEND_FLAGS},
+      extend=extend_flags.values(FLAGS)[0],
+      extend_fields=extend_flags.values(FLAGS)[1],
       data_files=FLAGS.data_files,
       out=FLAGS.out,
       position_draws=FLAGS.position_draws,

@@ -15,16 +15,11 @@ from roformer import data as data_lib
 from roformer import runs
 from roformer.evals import perplexity, plots, results
 from roformer.evals.perplexity import AUTO_BATCH_TOKENS
-from roformer.evals.spec import (
-  EXTENSION_FIELDS,
-  EvalSpec,
-  RopeOverride,
-  factor_at,
-  output_name,
-)
+from roformer.evals.spec import EvalSpec, RopeOverride, factor_at, output_name
 from roformer.infra import workdir as workdir_lib
 from roformer.posenc import POSENCS
 from roformer.posenc import randomized as randomized_positions
+from roformer.posenc.config import EXTENSION_FIELDS
 
 # Positions kept in the JSON's per-position curve; longer windows are averaged over equal bins.
 MAX_POSITION_POINTS = 256

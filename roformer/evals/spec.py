@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from roformer.data import PROTOCOLS
 from roformer.evals.plots import DEFAULT_NAME
 from roformer.posenc import randomized as randomized_positions
-from roformer.posenc.config import EXTENSION_KINDS, ContextExtension
+from roformer.posenc.config import EXTENSION_FIELDS, EXTENSION_KINDS, ContextExtension
 from roformer.posenc.rope_scaling import SCALING_KINDS
 
 DEFAULT_MAX_TOKENS = 65536  # eval.py --max_tokens
@@ -143,16 +143,6 @@ def extension_from_options(kind: str = "none", **fields: int) -> ContextExtensio
     return ContextExtension(kind=kind, **given)
   except ValueError as e:  # name the flags, not the config fields
     raise ValueError(str(e).replace("posenc.extension.", "--extend_")) from None
-
-
-# The --extend_* numbers each kind reads (ContextExtension's fields).
-EXTENSION_FIELDS = {
-  "self_extend": ("window", "group"),
-  "dca": ("chunk", "local"),
-  "rerope": ("window",),
-  "string": ("shift", "local"),
-  "sinks": ("sinks", "window"),
-}
 
 
 def spec_from_options(

@@ -44,6 +44,18 @@ class RopeScaling:
 EXTENSION_KINDS = ("none", "self_extend", "dca", "rerope", "string", "sinks")
 
 
+# The ContextExtension fields each kind reads.
+EXTENSION_FIELDS = {
+  "self_extend": ("window", "group"),
+  "dca": ("chunk", "local"),
+  "rerope": ("window",),
+  "string": ("shift", "local"),
+  "sinks": ("sinks", "window"),
+}
+# Read fields that may stay 0: DCA's local window, STRING's local value, the number of sinks.
+_MAY_BE_ZERO = ("local", "sinks")
+
+
 @dataclasses.dataclass(frozen=True)
 class ContextExtension:
   """A training-free context extension: the relative position (or the mask) of each
@@ -71,13 +83,7 @@ class ContextExtension:
     for name in ("window", "group", "chunk", "local", "shift", "sinks"):
       if getattr(self, name) < 0:
         raise ValueError(f"posenc.extension.{name}={getattr(self, name)} must be >= 0")
-    needs = {
-      "self_extend": ("window", "group"),
-      "dca": ("chunk",),
-      "rerope": ("window",),
-      "string": ("shift",),
-      "sinks": ("window",),
-    }.get(self.kind, ())
+    needs = [f for f in EXTENSION_FIELDS.get(self.kind, ()) if f not in _MAY_BE_ZERO]
     for name in needs:
       if getattr(self, name) < 1:
         raise ValueError(

@@ -40,7 +40,8 @@ def self_extend(ext: ContextExtension, qpos_BL, kpos_BS) -> tuple[Piece, ...]:
   Keys within the neighbour window W (distance < W) keep their positions; farther keys take
   grouped positions floor(j / G) and the query floor(i / G) + W - floor(W / G), so that the
   grouped distance continues where the neighbour distances stop (the reference code's
-  group_query_position).
+  group_query_position; its W / G is a true division, equal to floor(W / G) for the W that are
+  multiples of G the paper uses).
   """
   W, G = ext.window, ext.group
   near_BLS = _distance(qpos_BL, kpos_BS) < W
