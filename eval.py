@@ -3,6 +3,7 @@
 The logic lives in roformer/evals/ (ppl_vs_length.py, task_vs_length.py, perplexity.py).
 
   python eval.py --workdir=DIR [--lengths=256,512] [--protocol=both] [--rope_scaling=yarn ...]
+  python eval.py --workdir=DIR --extend=self_extend --extend_window=64 --extend_group=4
   python eval.py --hf_model=HF_DIR [--workdir=OUT] [--lengths=...]   # a Hugging Face causal LM
   python eval.py --compare=DIR1,DIR2 --plot=FILE.png
   python eval.py --workdir=DIR --task_lengths=8,32,256   # synthetic-task runs: accuracy vs length
@@ -13,6 +14,8 @@ import os
 import sys
 
 from absl import app, flags, logging
+
+from roformer.evals import extend_flags
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", None, "Run directory to evaluate (its config.json and checkpoints).")
@@ -49,6 +52,7 @@ flags.DEFINE_integer(
 flags.DEFINE_bool(
   "bca", False, "Blockwise causal attention (xPos): blocks of --window or the training length."
 )
+extend_flags.define_flags()
 flags.DEFINE_string("data_files", "", "Glob of other text, tokenized with the run's tokenizer.")
 flags.DEFINE_string("out", "", "NAME of DIR/eval/NAME.json|png (or of the JSON --compare reads).")
 flags.DEFINE_list("compare", [], "Workdirs (or eval JSON files) to draw in one plot.")
@@ -72,7 +76,7 @@ flags.DEFINE_integer(
 WORKDIR_FLAGS = (
   "workdir", "hf_model", "lengths", "protocol", "stride", "max_tokens", "split", "step",
   "batch_size", "rope_scaling", "rope_factor", "window", "bca", "data_files", "overwrite",
-  "task_lengths", "task_examples", "position_draws",
+  "task_lengths", "task_examples", "position_draws", *extend_flags.NAMES,
 )  # fmt: skip
 # --overwrite is read by both modes: --workdir's JSON and PNG, --compare's --plot.
 
@@ -94,6 +98,8 @@ def _check_flag_combinations() -> None:
     raise ValueError(f"--rope_factor={FLAGS.rope_factor} needs --rope_scaling=KIND")
   if given("stride") and FLAGS.protocol == "nonoverlapping":
     raise ValueError("--stride sets sliding windows; it is not read with --protocol=nonoverlapping")
+  if FLAGS.task_lengths and any(given(n) for n in extend_flags.NAMES):
+    raise ValueError("--extend applies to perplexity evaluation, not --task_lengths")
   if FLAGS.hf_model:
     for name in ("step", "task_lengths"):
       if given(name):
@@ -167,6 +173,8 @@ def main(argv):
       rope_factor=FLAGS.rope_factor,
       attention_window=FLAGS.window,
       bca=FLAGS.bca,
+      extend=extend_flags.values(FLAGS)[0],
+      extend_fields=extend_flags.values(FLAGS)[1],
       data_files=FLAGS.data_files,
       out=FLAGS.out,
       position_draws=FLAGS.position_draws,

@@ -3,12 +3,15 @@
 The logic lives in roformer/generate.py.
 
   python generate.py --workdir=DIR --prompt="def main(" [--max_new_tokens=64 --temperature=0.8
-    --top_k=40 --top_p=0.95 --seed=0 --rope_scaling=KIND --rope_factor=F]
+    --top_k=40 --top_p=0.95 --seed=0 --rope_scaling=KIND --rope_factor=F
+    --extend=KIND --extend_*=N]   # e.g. --extend=sinks --extend_sinks=4 --extend_window=1020
 """
 
 import sys
 
 from absl import app, flags, logging
+
+from roformer.evals import extend_flags
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", None, "Run directory (its config.json, checkpoints, tokenizer).")
@@ -21,6 +24,7 @@ flags.DEFINE_integer("seed", 0, "Sampling seed.")
 flags.DEFINE_string("rope_scaling", "none", "RoPE scaling applied at generation (RoPE runs).")
 flags.DEFINE_float("rope_factor", 1.0, "Factor of --rope_scaling.")
 flags.DEFINE_integer("step", None, "Checkpoint step; default the latest.")
+extend_flags.define_flags()
 
 
 def main(argv):
@@ -31,7 +35,9 @@ def main(argv):
     if not FLAGS.workdir or FLAGS.prompt is None:
       raise ValueError("give --workdir=DIR and --prompt=TEXT")
     from roformer import generate
+    from roformer.evals.spec import extension_from_options
 
+    kind, fields = extend_flags.values(FLAGS)
     text = generate.generate_text(
       FLAGS.workdir,
       FLAGS.prompt,
@@ -42,6 +48,7 @@ def main(argv):
       seed=FLAGS.seed,
       rope_scaling=FLAGS.rope_scaling,
       rope_factor=FLAGS.rope_factor,
+      extension=extension_from_options(kind, **fields),
       step=FLAGS.step,
     )
     print(text, flush=True)

@@ -137,7 +137,9 @@ def benchmark(run_config, lengths, *, repeats: int, compare_hf: bool) -> dict:
   return result
 
 
-HEADER = "| length | ours tokens/s | first call (s) | HF tokens/s | ours / HF |\n|---|---|---|---|---|"
+HEADER = (
+  "| length | ours tokens/s | first call (s) | HF tokens/s | ours / HF |\n|---|---|---|---|---|"
+)
 
 
 def format_row(row: dict) -> str:

@@ -181,7 +181,7 @@ def get_config() -> ml_collections.ConfigDict:
   posenc.query_scale_kinds = ""
   # RoPE context-extension scaling (also overridable at evaluation time).
   posenc.scaling = scaling = ml_collections.ConfigDict()
-  # One of: none, linear, ntk, dynamic, ntk_by_parts, yarn, llama3.
+  # One of: none, linear, ntk, dynamic, ntk_by_parts, yarn, llama3, longrope.
   scaling.kind = "none"
   # Context extension factor s.
   scaling.factor = 1.0
@@ -200,6 +200,30 @@ def get_config() -> ml_collections.ConfigDict:
   scaling.low_freq_factor = 1.0
   # llama3: wavelengths shorter than L0 / high_freq_factor are left alone.
   scaling.high_freq_factor = 4.0
+  # longrope: per-dimension divisors of the frequencies (head_dim / 2 numbers) for lengths up
+  # to original_max_len, as Hugging Face's short_factor.
+  scaling.short_factor = ()
+  # longrope: the divisors for lengths beyond original_max_len (Hugging Face's long_factor).
+  scaling.long_factor = ()
+  # longrope: multiplier of sin and cos (0 = sqrt(1 + ln(factor) / ln(original_max_len))).
+  scaling.attention_factor = 0.0
+  # Training-free context extension of rotary decoders (eval.py --extend=KIND sets it at
+  # evaluation): each (query, key) pair gets remapped positions (roformer/posenc/extension.py).
+  posenc.extension = extension = ml_collections.ConfigDict()
+  # One of: none, self_extend, dca, rerope, string, sinks.
+  extension.kind = "none"
+  # self_extend: neighbour window W; rerope: clamp w; sinks: recent keys (the query included).
+  extension.window = 0
+  # self_extend: group size G (positions beyond the window are floor(pos / G)).
+  extension.group = 0
+  # dca: chunk length s (intra-chunk positions are pos mod s).
+  extension.chunk = 0
+  # dca: local window w; string: local value W (shifted distances restart at W).
+  extension.local = 0
+  # string: shifted offset S (distances >= S become d - S + W).
+  extension.shift = 0
+  # sinks: the first tokens every query keeps (StreamingLLM's attention sinks).
+  extension.sinks = 0
 
   # ---- data: corpus, tokenizer and windows ----
   config.data = data = ml_collections.ConfigDict()

@@ -19,7 +19,7 @@ from roformer.errors import ConfigError
 from roformer.infra.sharding import MESH_AXES, MeshConfig
 from roformer.infra.workdir import CONFIG_FILE, read_config_json
 from roformer.nn.config import ModelConfig, unsupported_length
-from roformer.posenc.config import PosEncConfig, RopeScaling
+from roformer.posenc.config import ContextExtension, PosEncConfig, RopeScaling
 
 SCHEDULES = ("cosine", "linear", "constant")
 # Fields a rerun in an existing workdir may change; any other difference is an error.
@@ -317,7 +317,8 @@ def run_config_from_dict(config: Any, *, vocab_size: int | None = None) -> RunCo
     # The pretraining length too, so a fine-tune at another length keeps the table's shape.
     pretrained = _init_from_seq_len(values["train"].get("init_from", "")) or data.seq_len
     posenc_values["cope_npos_max"] = pretrained + 1
-  posenc = _build(PosEncConfig, posenc_values, "posenc", scaling=scaling)
+  extension = _build(ContextExtension, dict(posenc_values.get("extension", {})), "posenc.extension")
+  posenc = _build(PosEncConfig, posenc_values, "posenc", scaling=scaling, extension=extension)
   model_values = dict(values["model"])
   if vocab_size is not None:
     model_values["vocab_size"] = vocab_size

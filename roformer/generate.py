@@ -41,6 +41,7 @@ from roformer.data.tokenizer import build_tokenizer
 from roformer.nn import config as nn_config
 from roformer.nn import model as model_lib
 from roformer.posenc import POSENCS
+from roformer.posenc.config import ContextExtension
 from roformer.posenc.layers import pattern_kinds
 
 
@@ -256,6 +257,7 @@ def generate_text(
   seed: int = 0,
   rope_scaling: str = "none",
   rope_factor: float = 1.0,
+  extension: ContextExtension | None = None,
   step: int | None = None,
 ) -> str:
   """The continuation of `prompt` by the run in `workdir`, decoded by the run's tokenizer.
@@ -266,6 +268,8 @@ def generate_text(
     max_new_tokens, temperature, top_k, top_p: as `roformer.generate.generate`.
     seed: the sampling seed.
     rope_scaling, rope_factor: a RoPE scaling applied at generation ("none" = as trained).
+    extension: a training-free context extension (`roformer.posenc.extension`), e.g.
+      StreamingLLM's attention sinks, whose cache keeps the sinks and the recent window only.
     step: the checkpoint step; None = the latest.
   """
   workdir = epath.Path(workdir)
@@ -280,6 +284,7 @@ def generate_text(
     seq_len=run_config.data.seq_len,
     rope_scaling=rope_scaling,
     rope_factor=rope_factor,
+    extension=extension,
   )
   tokenizer = build_tokenizer(run_config.data, workdir=str(workdir))
   ids = tokenizer.encode(prompt)

@@ -23,7 +23,7 @@ from roformer.infra import checkpoint, sharding
 from roformer.nn import config as nn_config
 from roformer.nn import model as model_lib
 from roformer.posenc import POSENCS
-from roformer.posenc.config import RopeScaling
+from roformer.posenc.config import ContextExtension, RopeScaling
 from roformer.posenc.rope_scaling import SCALING_KINDS
 
 
@@ -70,6 +70,7 @@ def eval_model_config(
   rope_factor: float = 1.0,
   attention_window: int = 0,
   window_kind: str = "sliding",
+  extension: ContextExtension | None = None,
 ):
   """The run's ModelConfig as evaluated: any RoPE scaling or attention window applied, and a
   blockwise attention kernel.
@@ -81,6 +82,8 @@ def eval_model_config(
     rope_factor: the scaling factor.
     attention_window, window_kind: an attention window imposed at evaluation (0 = as trained),
       e.g. xPos's blockwise causal attention (window_kind "blockwise", window = seq_len).
+    extension: a training-free context extension (`roformer.posenc.extension`); None keeps the
+      run's positions.
 
   Returns:
     A ModelConfig with the same parameters as `model_cfg`.
@@ -96,6 +99,9 @@ def eval_model_config(
       )
     scaling = RopeScaling(kind=rope_scaling, factor=float(rope_factor), original_max_len=seq_len)
     posenc = dataclasses.replace(posenc, scaling=scaling)
+  if extension is not None:
+    # The ModelConfig built below validates it (rotary encodings, causal softmax attention).
+    posenc = dataclasses.replace(posenc, extension=extension)
   window = {}
   if attention_window:
     if attention_window < 0:

@@ -13,7 +13,7 @@ from roformer import config as config_lib
 from roformer.config import ConfigError
 from roformer.data.config import DataConfig
 from roformer.nn.config import ModelConfig
-from roformer.posenc.config import PosEncConfig, RopeScaling
+from roformer.posenc.config import ContextExtension, PosEncConfig, RopeScaling
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -37,8 +37,9 @@ def _config_dict(**overrides):
   "group, cls, skip",
   [
     ("model", ModelConfig, ("vocab_size", "posenc")),
-    ("posenc", PosEncConfig, ("scaling",)),
+    ("posenc", PosEncConfig, ("scaling", "extension")),
     ("posenc.scaling", RopeScaling, ()),
+    ("posenc.extension", ContextExtension, ()),
     ("data", DataConfig, ()),
     ("optim", config_lib.OptimConfig, ()),
     ("train", config_lib.TrainConfig, ()),
@@ -59,6 +60,7 @@ def test_default_config_fields_match_dataclasses(group, cls, skip):
     ("model", ModelConfig),
     ("model.posenc", PosEncConfig),
     ("model.posenc.scaling", RopeScaling),
+    ("model.posenc.extension", ContextExtension),
     ("data", DataConfig),
     ("optim", config_lib.OptimConfig),
     ("train", config_lib.TrainConfig),

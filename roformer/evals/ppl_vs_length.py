@@ -19,6 +19,7 @@ from roformer.evals.spec import EvalSpec, RopeOverride, factor_at, output_name
 from roformer.infra import workdir as workdir_lib
 from roformer.posenc import POSENCS
 from roformer.posenc import randomized as randomized_positions
+from roformer.posenc.config import EXTENSION_FIELDS
 
 # Positions kept in the JSON's per-position curve; longer windows are averaged over equal bins.
 MAX_POSITION_POINTS = 256
@@ -35,6 +36,10 @@ def label_notes(model_cfg, *, trained_window: int, stride: int, protocols) -> li
     notes.append(f"window {model_cfg.attention_window}")
   elif paper_window == "blockwise":
     notes.append("no BCA")
+  extension = model_cfg.posenc.extension
+  if extension.kind != "none":
+    numbers = ", ".join(f"{f} {getattr(extension, f)}" for f in EXTENSION_FIELDS[extension.kind])
+    notes.append(f"{extension.kind} ({numbers})")
   if "sliding" in protocols:
     notes.append(f"stride {stride}" if stride else "stride L/4")
   return notes
@@ -154,6 +159,7 @@ def evaluate_workdir(
       rope_factor=factor_at(rope.factor, length, seq_len) if rope else 1.0,
       attention_window=window,
       window_kind=spec.window_kind,
+      extension=spec.extension,
     )
 
   model_cfg = config_at(lengths[0])
@@ -218,6 +224,8 @@ def evaluate_workdir(
   }
   if hf_model:
     result["hf_model"] = str(hf_model)
+  if spec.extension is not None:
+    result["context_extension"] = dataclasses.asdict(spec.extension)
   json_path = results.write_result(result, json_path)
   png_path = plots.plot_runs(
     [(plots.run_label(workdir.name, result), result, seq_len)],

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from roformer.data import PROTOCOLS
 from roformer.evals.plots import DEFAULT_NAME
 from roformer.posenc import randomized as randomized_positions
+from roformer.posenc.config import EXTENSION_FIELDS, EXTENSION_KINDS, ContextExtension
 from roformer.posenc.rope_scaling import SCALING_KINDS
 
 DEFAULT_MAX_TOKENS = 65536  # eval.py --max_tokens
@@ -74,6 +75,8 @@ class EvalSpec:
     window: a sliding attention window imposed at evaluation (0 = as trained).
     bca: xPos's blockwise causal attention with blocks of `window`, or of the training length
       when `window` is 0.
+    extension: a training-free context extension applied at evaluation (Self-Extend, DCA,
+      ReRoPE, STRING, attention sinks); None = none.
     position_draws: draws of positions at which a run trained with randomized positions is
       scored (the loss is their mean).
     out: NAME of DIR/eval/NAME.json; "" = `output_name`.
@@ -89,6 +92,7 @@ class EvalSpec:
   rope: RopeOverride | None = None
   window: int = 0
   bca: bool = False
+  extension: ContextExtension | None = None
   position_draws: int = randomized_positions.EVAL_DRAWS
   out: str = ""
 
@@ -119,20 +123,54 @@ class EvalSpec:
     return self.window or (seq_len if self.bca else 0)
 
 
+def extension_from_options(kind: str = "none", **fields: int) -> ContextExtension | None:
+  """--extend=KIND and its --extend_* numbers as a ContextExtension (None for "none"); a
+  number the kind does not read is an error, never ignored."""
+  if kind not in EXTENSION_KINDS:
+    raise ValueError(f"--extend must be one of {EXTENSION_KINDS}, got {kind!r}")
+  given = {name: value for name, value in fields.items() if value}
+  if kind == "none":
+    if given:
+      raise ValueError(f"--extend_{next(iter(given))} needs --extend=KIND")
+    return None
+  unread = sorted(set(given) - set(EXTENSION_FIELDS[kind]))
+  if unread:
+    raise ValueError(
+      f"--extend_{unread[0]} is not read by --extend={kind} (it reads "
+      f"{', '.join('--extend_' + f for f in EXTENSION_FIELDS[kind])})"
+    )
+  try:
+    return ContextExtension(kind=kind, **given)
+  except ValueError as e:  # name the flags, not the config fields
+    raise ValueError(str(e).replace("posenc.extension.", "--extend_")) from None
+
+
 def spec_from_options(
   *,
   lengths: Sequence[int] = (),
   rope_scaling: str = "none",
   rope_factor: float | str = 1.0,
   attention_window: int = 0,
+  extend: str = "none",
+  extend_fields: dict | None = None,
   **fields,
 ) -> EvalSpec:
   """An EvalSpec from eval.py's options (and the grids' recorded ones): `rope_scaling` "none"
-  means no override, and `attention_window` is the spec's `window`."""
+  means no override, `attention_window` is the spec's `window`, and `extend` with
+  `extend_fields` ({"window": W, ...}, 0 = not given) its `extension`."""
   rope = None if rope_scaling == "none" else RopeOverride(rope_scaling, rope_factor)
   if rope is None:
     parse_rope_factor(rope_factor)  # a bad --rope_factor is an error even without a scaling
-  return EvalSpec(lengths=tuple(lengths), rope=rope, window=attention_window, **fields)
+  extension = extension_from_options(extend, **(extend_fields or {}))
+  return EvalSpec(
+    lengths=tuple(lengths), rope=rope, window=attention_window, extension=extension, **fields
+  )
+
+
+def extension_suffix(extension: ContextExtension) -> str:
+  """`_<kind>` and the numbers it reads, e.g. `_self_extend_window512_group8`."""
+  numbers = "".join(f"_{f}{getattr(extension, f)}" for f in EXTENSION_FIELDS[extension.kind])
+  return f"_{extension.kind}{numbers}"
 
 
 def output_name(spec: EvalSpec, *, seq_len: int) -> str:
@@ -141,8 +179,9 @@ def output_name(spec: EvalSpec, *, seq_len: int) -> str:
 
   Evaluating other text (`_files`), the test split (`_test`), other lengths (`_len256-512`), one
   protocol (`_sliding`), a stride (`_stride64`), another number of scored tokens (`_tok8192`), a
-  RoPE scaling (`_<scaling>_<factor>`, factor "auto" too) or an attention window (`_window<W>`,
-  `_bca<W>`) never overwrites the plain validation result.
+  RoPE scaling (`_<scaling>_<factor>`, factor "auto" too), an attention window (`_window<W>`,
+  `_bca<W>`) or a context extension (`_<kind>_<field><N>...`) never overwrites the plain
+  validation result.
   """
   if spec.out:
     return spec.out
@@ -165,4 +204,6 @@ def output_name(spec: EvalSpec, *, seq_len: int) -> str:
   window = spec.window_for(seq_len)
   if window:
     name += f"_{'bca' if spec.bca else 'window'}{window}"
+  if spec.extension is not None:
+    name += extension_suffix(spec.extension)
   return name

@@ -10,7 +10,8 @@ with one line naming it.
 What the families share and where they differ:
 - RoPE in the half layout (pairs (i, i + d/2), HF's `rotate_half`) on the first
   int(head_dim * partial_rotary_factor) dims of each head (all of them outside GPT-NeoX), with
-  HF's `rope_type` scalings linear, dynamic, yarn and llama3 (roformer.posenc.rope_scaling).
+  HF's `rope_type` scalings linear, dynamic, yarn, llama3 and longrope
+  (roformer.posenc.rope_scaling).
 - Llama, Mistral, Qwen2: RMSNorm (weight times the normalised float32 input), SwiGLU MLP
   (silu(gate) * up), pre-LN. Biases: Llama's attention_bias / mlp_bias, none in Mistral, q/k/v
   only in Qwen2. Sliding windows: Mistral's on every layer, Qwen2's on the layers its
@@ -75,7 +76,7 @@ _REQUIRED = (
 _GATED_ACTIVATIONS = {"silu": "swiglu"}
 # GPT-NeoX's MLP activation: only the exact (erf) GELU is the model's "gelu".
 _NEOX_ACTIVATIONS = {"gelu": "gelu"}
-_ROPE_KINDS = ("default", "linear", "dynamic", "yarn", "llama3")
+_ROPE_KINDS = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
 # Buffers of older exports that HF itself skips when loading (recomputed, not learnt).
 _IGNORED_SUFFIXES = (".attention.bias", ".attention.masked_bias", ".rotary_emb.inv_freq")
 
@@ -283,7 +284,7 @@ def _scaling(c: Mapping, params: Mapping, kind: str, where: str) -> RopeScaling:
     or max_len
   )
   factor = params.get("factor")
-  if factor is None and kind == "yarn" and original:
+  if factor is None and kind in ("yarn", "longrope") and original:
     factor = max_len / original
   if factor is None:
     raise HFConversionError(f"config.json {where}.factor is required for rope_type={kind!r}")
@@ -292,6 +293,21 @@ def _scaling(c: Mapping, params: Mapping, kind: str, where: str) -> RopeScaling:
   if kind == "dynamic":
     # HF's dynamic NTK measures the length against max_position_embeddings.
     return RopeScaling(kind="dynamic", factor=float(factor), original_max_len=max_len)
+  if kind == "longrope":
+    for name in ("short_factor", "long_factor"):
+      if not isinstance(params.get(name), list | tuple):
+        raise HFConversionError(
+          f"config.json {where}.{name} is required for rope_type='longrope' (a list of "
+          "head_dim / 2 numbers)"
+        )
+    return RopeScaling(
+      kind="longrope",
+      factor=float(factor),
+      original_max_len=original,
+      short_factor=tuple(params["short_factor"]),
+      long_factor=tuple(params["long_factor"]),
+      attention_factor=float(params.get("attention_factor") or 0.0),
+    )
   if kind == "llama3":
     return RopeScaling(
       kind="llama3",

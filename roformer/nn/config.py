@@ -177,6 +177,11 @@ def validate_model(cfg: ModelConfig) -> None:
   _check_choice("model.qk_norm", cfg.qk_norm, QK_NORMS)
   _check_windows(cfg)
   _check_per_layer(cfg)
+  if cfg.posenc.extension.kind != "none" and cfg.attention != "softmax":
+    raise ValueError(
+      f"posenc.extension.kind={cfg.posenc.extension.kind!r} remaps positions inside the softmax "
+      f"attention kernels; model.attention={cfg.attention!r} does not honour it"
+    )
   attention = ATTENTIONS[cfg.attention]
   if cfg.posenc.kind in POSENCS and not (
     has_pattern(cfg.posenc) and parse_error(cfg.posenc, POSENCS)

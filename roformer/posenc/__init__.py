@@ -130,6 +130,18 @@ def validate_posenc(
       f"(posenc.kind in {rotary}), not posenc.kind={cfg.kind!r}; "
       "set posenc.scaling.kind='none'"
     )
+  if cfg.extension.kind != "none":
+    if not cls.accepts_rope_scaling:
+      rotary = tuple(k for k, c in POSENCS.items() if c.accepts_rope_scaling)
+      raise ValueError(
+        f"posenc.extension.kind={cfg.extension.kind!r} remaps rotary positions; it applies only "
+        f"to posenc.kind in {rotary}, not {cfg.kind!r}"
+      )
+    if not causal:
+      raise ValueError(
+        f"posenc.extension.kind={cfg.extension.kind!r} remaps the positions of earlier keys; "
+        "it needs a causal decoder (model.kind='decoder')"
+      )
   cls.check_config(cfg, causal=causal, head_dim=head_dim)
   # Randomized training positions reach randomize_max - 1: a learned table must cover them.
   if cfg.randomize_max and (reason := cls.unsupported_length(cfg, cfg.randomize_max)):

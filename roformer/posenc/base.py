@@ -142,6 +142,22 @@ class PosEnc(nnx.Module):
     del qpos_BL, kpos_BS, state
     return q_BLHK, k_BSGK
 
+  def position_pieces(self, qpos_BL: jax.Array, kpos_BS: jax.Array) -> tuple | None:
+    """Piecewise positions of a block of (query, key) pairs, or None (here: `rotate`'s own).
+
+    A training-free context extension (`roformer.posenc.extension`) remaps the relative
+    position of each pair, which no rotation by absolute positions can express: the kernel then
+    gets unrotated queries and keys and scores each piece (query rotation positions, key
+    rotation positions, where) with `rotate` at those positions.
+    """
+    del qpos_BL, kpos_BS
+    return None
+
+  def extends_positions(self) -> bool:
+    """Whether `position_pieces` replaces the plain rotation (queries and keys then reach the
+    kernel unrotated)."""
+    return False
+
   def bias(self, qpos_BL: jax.Array, kpos_BS: jax.Array) -> jax.Array | None:
     """Float32 attention-logit bias [B, H, L, S] for any block of positions, or None."""
     del qpos_BL, kpos_BS

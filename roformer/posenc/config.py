@@ -10,7 +10,11 @@ class RopeScaling:
   """A RoPE context-extension scaling; `kind="none"` leaves the frequencies alone.
 
   Zero means "not set" for `original_max_len` (then the run's training length is used),
-  `mscale` and `mscale_all_dim` (then YaRN's attention factor is 0.1 ln(factor) + 1).
+  `mscale` and `mscale_all_dim` (then YaRN's attention factor is 0.1 ln(factor) + 1), and
+  `attention_factor` (then LongRoPE's is sqrt(1 + ln(factor) / ln(original_max_len))).
+  `short_factor` and `long_factor` are LongRoPE's per-dimension divisors of the frequencies
+  (head_dim / 2 each, Hugging Face's `longrope` lists), for lengths up to and beyond
+  `original_max_len`.
   """
 
   kind: str = "none"
@@ -22,10 +26,75 @@ class RopeScaling:
   mscale_all_dim: float = 0.0
   low_freq_factor: float = 1.0
   high_freq_factor: float = 4.0
+  short_factor: tuple[float, ...] = ()
+  long_factor: tuple[float, ...] = ()
+  attention_factor: float = 0.0
+
+  def __post_init__(self):
+    # Lists (config.json) become tuples of floats: the config stays hashable.
+    for name in ("short_factor", "long_factor"):
+      object.__setattr__(self, name, tuple(float(x) for x in getattr(self, name)))
 
   def as_mapping(self) -> dict | None:
     """The mapping `rope_frequencies(scaling=...)` takes, or None for kind "none"."""
     return None if self.kind == "none" else dataclasses.asdict(self)
+
+
+# Training-free context extensions (roformer/posenc/extension.py); "none" leaves positions alone.
+EXTENSION_KINDS = ("none", "self_extend", "dca", "rerope", "string", "sinks")
+
+
+# The ContextExtension fields each kind reads.
+EXTENSION_FIELDS = {
+  "self_extend": ("window", "group"),
+  "dca": ("chunk", "local"),
+  "rerope": ("window",),
+  "string": ("shift", "local"),
+  "sinks": ("sinks", "window"),
+}
+# Read fields that may stay 0: DCA's local window, STRING's local value, the number of sinks.
+_MAY_BE_ZERO = ("local", "sinks")
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextExtension:
+  """A training-free context extension: the relative position (or the mask) of each
+  (query, key) pair is remapped at evaluation (`roformer.posenc.extension`).
+
+  Which fields a kind reads (each must then be set; 0 means "not set"):
+    self_extend: window (neighbour window W), group (group size G).
+    dca: chunk (chunk length s), local (local window w).
+    rerope: window (the clamp w).
+    string: shift (shifted offset S), local (local value W < S).
+    sinks: sinks (first tokens kept), window (recent keys, the query included).
+  """
+
+  kind: str = "none"
+  window: int = 0
+  group: int = 0
+  chunk: int = 0
+  local: int = 0
+  shift: int = 0
+  sinks: int = 0
+
+  def __post_init__(self):
+    if self.kind not in EXTENSION_KINDS:
+      raise ValueError(f"posenc.extension.kind={self.kind!r} is not one of {EXTENSION_KINDS}")
+    for name in ("window", "group", "chunk", "local", "shift", "sinks"):
+      if getattr(self, name) < 0:
+        raise ValueError(f"posenc.extension.{name}={getattr(self, name)} must be >= 0")
+    needs = [f for f in EXTENSION_FIELDS.get(self.kind, ()) if f not in _MAY_BE_ZERO]
+    for name in needs:
+      if getattr(self, name) < 1:
+        raise ValueError(
+          f"posenc.extension.kind={self.kind!r} needs posenc.extension.{name} >= 1 "
+          f"(eval.py --extend_{name})"
+        )
+    if self.kind == "string" and self.local >= self.shift:
+      raise ValueError(
+        f"posenc.extension.local={self.local} must be below posenc.extension.shift="
+        f"{self.shift} for kind 'string' (shifted distances d - shift + local must shrink)"
+      )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +109,8 @@ class PosEncConfig:
   xpos_gamma: float = 0.4
   xpos_scale_base: float = 512.0
   scaling: RopeScaling = RopeScaling()
+  # Training-free context extension (rotary encodings, decoders; usually set at evaluation).
+  extension: ContextExtension = ContextExtension()
   rope_truncate: float = 0.0  # p-RoPE: fraction of the lowest frequencies that do not rotate
   rope_resonance: bool = False  # Resonance RoPE: wavelengths 2 pi / theta rounded to integers
   randomize_max: int = 0  # positions: sorted random subsets of [0, N), also at eval; 0 = off

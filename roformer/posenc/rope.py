@@ -14,6 +14,7 @@ import numpy as np
 
 from roformer.posenc.base import PosEnc, check_positions
 from roformer.posenc.config import PosEncConfig
+from roformer.posenc.extension import position_pieces
 from roformer.posenc.prope import truncate_frequencies
 from roformer.posenc.resonance import resonance_frequencies
 from roformer.posenc.rope_scaling import check_scaling, rope_frequencies
@@ -188,6 +189,12 @@ class Rope(PosEnc):
       )
     if not cfg.max_wavelength > 1:
       raise ValueError(f"posenc.max_wavelength={cfg.max_wavelength} must be > 1")
+    pairs = rotary_dims(head_dim, cfg.rope_fraction) // 2
+    if cfg.scaling.kind == "longrope" and len(cfg.scaling.short_factor) != pairs:
+      raise ValueError(
+        f"posenc.scaling.short_factor and long_factor have {len(cfg.scaling.short_factor)} "
+        f"entries; the rotary dims of model.head_dim={head_dim} need {pairs}"
+      )
     if cfg.scaling.kind in ("ntk", "dynamic") and rotary_dims(head_dim, cfg.rope_fraction) <= 2:
       raise ValueError(
         f"posenc.scaling.kind={cfg.scaling.kind!r} needs at least 4 rotary dims "
@@ -232,6 +239,15 @@ class Rope(PosEnc):
       apply_rotary(q_BLHK, sin_q, cos_q, layout=layout),
       apply_rotary(k_BSGK, sin_k, cos_k, layout=layout),
     )
+
+  def extends_positions(self) -> bool:
+    return self.cfg.extension.kind != "none"
+
+  def position_pieces(self, qpos_BL, kpos_BS):
+    """`posenc.extension`'s pieces for a block of positions (see `PosEnc.position_pieces`)."""
+    if not self.extends_positions():
+      return None
+    return position_pieces(self.cfg.extension, qpos_BL, kpos_BS)
 
 
 class XPos(Rope):

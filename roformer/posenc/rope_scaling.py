@@ -1,8 +1,9 @@
 """RoPE inverse frequencies and their context-extension scalings, as pure functions.
 
 linear, dynamic, yarn and llama3 match Hugging Face transformers' `modeling_rope_utils` (checked
-against tests/fixtures/rope_hf.json); `ntk` is the static NTK-aware base change and
-`ntk_by_parts` is YaRN's interpolation without its attention factor.
+against tests/fixtures/rope_hf.json), and so does longrope (tests/posenc/longrope_test.py);
+`ntk` is the static NTK-aware base change and `ntk_by_parts` is YaRN's interpolation without
+its attention factor.
 """
 
 import dataclasses
@@ -69,6 +70,17 @@ def check_scaling(
     )
   if s["kind"] == "yarn" and (s["mscale"] < 0 or s["mscale_all_dim"] < 0):
     raise ValueError("posenc.scaling.mscale and posenc.scaling.mscale_all_dim must be >= 0")
+  if s["kind"] == "longrope":
+    short, long = s["short_factor"], s["long_factor"]
+    if not short or len(short) != len(long):
+      raise ValueError(
+        "posenc.scaling.kind='longrope' needs posenc.scaling.short_factor and long_factor, "
+        f"lists of head_dim / 2 numbers each; got {len(short)} and {len(long)}"
+      )
+    if min(*short, *long) <= 0 or s["attention_factor"] < 0:
+      raise ValueError(
+        "posenc.scaling.short_factor and long_factor must be > 0 and attention_factor >= 0"
+      )
   if s["kind"] == "llama3" and not 0 < s["low_freq_factor"] < s["high_freq_factor"]:
     raise ValueError(
       f"posenc.scaling.low_freq_factor={s['low_freq_factor']} and posenc.scaling."
@@ -103,6 +115,9 @@ def rope_frequencies(
         ignored, as in HF.
       - llama3: Llama 3.1's piecewise scaling with factor, low_freq_factor, high_freq_factor
         and original_max_len.
+      - longrope: LongRoPE (Ding et al. 2024) as HF's `longrope`: theta_i / long_factor[i] when
+        seq_len > original_max_len, else theta_i / short_factor[i]; attention factor
+        `attention_factor`, or sqrt(1 + ln(factor) / ln(original_max_len)) (1 for factor 1).
     seq_len: the current length (max position + 1), used by "dynamic" only. A Python int gives
       a constant; a jax array (e.g. traced inside jit) gives frequencies computed in float32.
       None means L0.
@@ -192,6 +207,28 @@ def _llama3(inv_freq, d, base, s, seq_len):
   return _f32(_llama3_inv_freq(inv_freq, float(s["factor"]), s["original_max_len"], s)), 1.0
 
 
+@_scaling(needs_original_len=True)
+def _longrope(inv_freq, d, base, s, seq_len):
+  short, long = np.asarray(s["short_factor"]), np.asarray(s["long_factor"])
+  if len(short) != d // 2:
+    raise ValueError(
+      f"posenc.scaling.short_factor and long_factor have {len(short)} entries; the {d} rotary "
+      f"dims need {d // 2}"
+    )
+  l0, factor = s["original_max_len"], float(s["factor"])
+  attention_factor = float(s["attention_factor"]) or (
+    1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(l0))
+  )
+  # HF divides theta_i by the factors in float32: 1 / (ext * b^(2i/d)).
+  base_pow = np.float32(base) ** (np.arange(0, d, 2, dtype=np.float32) / np.float32(d))
+  short_inv = _f32(1.0 / (short.astype(np.float32) * base_pow))
+  long_inv = _f32(1.0 / (long.astype(np.float32) * base_pow))
+  if seq_len is None or isinstance(seq_len, int | np.integer):
+    return (long_inv if seq_len is not None and seq_len > l0 else short_inv), attention_factor
+  # A traced length (max position + 1 inside jit) picks the set as HF's dynamic update does.
+  return jnp.where(jnp.asarray(seq_len) > l0, long_inv, short_inv), attention_factor
+
+
 def _dynamic_ntk(inv_freq, d, factor, l0, seq_len):
   # b'^(-2i/d) = b^(-2i/d) * g^(-2i/(d-2)) with g = factor * L / L0 - (factor - 1): scaling the
   # exact base frequencies by a power of g (close to 1) keeps float32 error at a few ulp, where
@@ -254,5 +291,6 @@ SCALINGS = {
   "ntk_by_parts": _ntk_by_parts,
   "yarn": _yarn,
   "llama3": _llama3,
+  "longrope": _longrope,
 }
 SCALING_KINDS = ("none", *SCALINGS)

@@ -1,5 +1,6 @@
 """Tests of generate.py and roformer.generate.generate_text on a workdir with a checkpoint."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -12,9 +13,11 @@ from flax import nnx
 from configs import default
 from roformer import config as config_lib
 from roformer import generate as gen
+from roformer import runs
 from roformer.data.tokenizer import ByteTokenizer
 from roformer.infra import checkpoint
 from roformer.nn.model import make_model
+from roformer.posenc.config import ContextExtension
 from roformer.testing import REPO
 
 
@@ -64,3 +67,23 @@ def test_cli_refuses_an_encoder_run_with_one_clear_line(tmp_path):
   proc = _run_cli(f"--workdir={tmp_path / 'mlm'}", "--prompt=x")
   assert proc.returncode != 0 and "Traceback" not in proc.stderr
   assert "generate.py: error:" in proc.stderr and "model.kind='decoder'" in proc.stderr
+
+
+def test_generate_text_with_attention_sinks_equals_generate_of_the_extended_model(tmp_path):
+  model = _make_run(tmp_path / "run", "decoder")
+  ext = ContextExtension("sinks", sinks=2, window=4)
+  prompt = "def f(x): return"
+  ids = ByteTokenizer().encode(prompt)
+  posenc = dataclasses.replace(model.cfg.posenc, extension=ext)
+  extended = runs.with_config(model, dataclasses.replace(model.cfg, posenc=posenc))
+  want = gen.generate(extended, np.asarray([ids], np.int32), max_new_tokens=8)
+  got = gen.generate_text(tmp_path / "run", prompt, max_new_tokens=8, extension=ext)
+  assert got == ByteTokenizer().decode(np.asarray(want[0, len(ids) :]).tolist())
+  # The cache of every layer holds the 2 sinks and the 4 recent keys, not the 24 positions.
+  assert {c.k_BCGK.shape[1] for c in extended.init_caches(1, len(ids) + 8)} == {6}
+  refused = _run_cli(
+    f"--workdir={tmp_path / 'run'}", "--prompt=x", "--extend=rerope", "--extend_window=2",
+    "--extend_group=2",
+  )  # fmt: skip
+  assert refused.returncode == 1
+  assert "--extend_group is not read by --extend=rerope" in refused.stderr

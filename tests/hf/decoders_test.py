@@ -218,8 +218,8 @@ REFUSED = [
   ("llama", dict(model_type="gpt2"), "model_type='gpt2'"),
   (
     "llama",
-    dict(rope_parameters={"rope_type": "longrope"}),
-    "rope_parameters.rope_type='longrope'",
+    dict(rope_parameters={"rope_type": "longrope", "long_factor": [1.0] * 4}),
+    "rope_parameters.short_factor is required for rope_type='longrope'",
   ),
   (
     "llama",

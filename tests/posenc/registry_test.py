@@ -109,7 +109,7 @@ def test_every_scaling_is_a_registry_entry_that_says_whether_it_needs_the_pretra
 
   assert rope_scaling.SCALING_KINDS == ("none", *rope_scaling.SCALINGS)
   needs = {k for k, fn in rope_scaling.SCALINGS.items() if fn.needs_original_len}
-  assert needs == {"dynamic", "ntk_by_parts", "yarn", "llama3"}
+  assert needs == {"dynamic", "ntk_by_parts", "yarn", "llama3", "longrope"}
   for kind in rope_scaling.SCALINGS:
     scaling = RopeScaling(kind=kind, factor=2.0)  # original_max_len 0: "not filled in yet"
     if kind in needs:

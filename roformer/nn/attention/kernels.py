@@ -12,16 +12,20 @@ import jax
 import jax.numpy as jnp
 
 from roformer.nn.attention import banded
+from roformer.nn.attention.piecewise import pieces_cover, piecewise_scores
 from roformer.nn.attention.primitives import (
   NEG,
   BiasFn,
   ContentBiasFn,
+  PiecesFn,
+  RotateFn,
   attention_mask,
   check_ranks,
   dropout,
   for_each_query_block,
   online_softmax_init,
   online_softmax_output,
+  online_softmax_step,
   online_softmax_update,
   split_blocks,
   split_heads,
@@ -46,6 +50,8 @@ def dense_attention(
   dropout_key: jax.Array | None = None,
   block: int = 512,
   global_tokens: int = 0,
+  pieces_fn: PiecesFn | None = None,
+  rotate_fn: RotateFn | None = None,
 ):
   """Reference kernel: materialises the [L, S] scores, fp32 softmax.
 
@@ -65,6 +71,9 @@ def dense_attention(
     dropout_rate, dropout_key: attention-probability dropout (no dropout when the key is None).
     block: unused (kept so every kernel has the same signature).
     global_tokens: see `attention_mask`.
+    pieces_fn, rotate_fn: piecewise positions (`roformer.nn.attention.piecewise`): q and k come
+      unrotated, each pair's logit is that of the piece covering it under `rotate_fn`, and
+      pairs no piece covers are masked. None: q and k come rotated.
 
   Returns:
     [B, L, H, K] in the dtype of q. A query with no allowed key gets zeros.
@@ -74,7 +83,7 @@ def dense_attention(
   B, L, H, K = q_BLHK.shape
   S, G = k_BSGK.shape[1:3]
   # Bidirectional attention over one segment needs no mask at all.
-  masked = qseg_BL is not None or causal or window > 0
+  masked = qseg_BL is not None or causal or window > 0 or pieces_fn is not None
   # Heads first: every product is a GEMM batched over (B, G) with one contracting axis, which
   # XLA:CPU runs on the [L, S] operands in place; with the heads after the positions it copies
   # them into a transposed layout, in the forward pass and again in the backward pass.
@@ -97,10 +106,18 @@ def dense_attention(
     if content_bias_fn is not None:  # one span: the whole [L, S]
       content_BHLS = content_bias_fn(q_BLHK, k_BSGK, mask_BTE)
       bias_BHTE = content_BHLS if bias_BHTE is None else bias_BHTE + content_BHLS
-    o_BGRTK = _softmax_attention(
-      q_BGRLK[:, :, :, start:end], k_BGSK[:, :, :keys], v_BGSK[:, :, :keys], mask_BTE,
-      bias_BHTE, dropout_rate, dropout_key,
-    )  # fmt: skip
+    if pieces_fn is None:
+      o_BGRTK = _softmax_attention(
+        q_BGRLK[:, :, :, start:end], k_BGSK[:, :, :keys], v_BGSK[:, :, :keys], mask_BTE,
+        bias_BHTE, dropout_rate, dropout_key,
+      )  # fmt: skip
+    else:
+      s_BGRTE, covered_BTE = piecewise_scores(
+        q_BLHK[:, start:end], k_BSGK[:, :keys], qpos_BT, kpos_BE, bias_BHTE,
+        pieces_fn=pieces_fn, rotate_fn=rotate_fn,
+      )  # fmt: skip
+      mask_BTE = mask_BTE & covered_BTE
+      o_BGRTK = _softmax_values(s_BGRTE, v_BGSK[:, :, :keys], mask_BTE, dropout_rate, dropout_key)
     if masked:  # a query with no allowed key gets zeros (as in `chunked`), not the mean of v
       o_BGRTK = jnp.where(mask_BTE.any(axis=-1)[:, None, None, :, None], o_BGRTK, 0.0)
     o_blocks.append(o_BGRTK)
@@ -141,8 +158,18 @@ def _softmax_attention(q_BGRLK, k_BGSK, v_BGSK, mask_BLS, bias_BHLS, dropout_rat
     bias_BGRLS = jnp.broadcast_to(bias_BGRLS, (B, G, R, L, S))
   if dropout_key is None or not dropout_rate:
     return _attend(q_BGRLK, k_BGSK, v_BGSK, mask_BLS, bias_BGRLS)
-  p_BGRLS = dropout(jax.nn.softmax(_logits(q_BGRLK, k_BGSK, mask_BLS, bias_BGRLS), axis=-1),
-                    dropout_rate, dropout_key)  # fmt: skip
+  s_BGRLS = _logits(q_BGRLK, k_BGSK, None, bias_BGRLS)
+  return _softmax_values(s_BGRLS, v_BGSK, mask_BLS, dropout_rate, dropout_key)
+
+
+def _softmax_values(s_BGRLS, v_BGSK, mask_BLS, dropout_rate, dropout_key):
+  """softmax(masked logits [B, G, R, L, S]) v, heads first: [B, G, R, L, K] (fp32 softmax), by
+  autodiff: for attention dropout and for logits merged from piecewise positions."""
+  if mask_BLS is not None:
+    s_BGRLS = jnp.where(mask_BLS[:, None, None], s_BGRLS, NEG)
+  # fp32 softmax for stability. jax.nn.softmax's custom JVP keeps the backward pass to one
+  # reduction; a masked key gets exp(NEG - max) = 0 exactly unless its whole row is masked.
+  p_BGRLS = dropout(jax.nn.softmax(s_BGRLS, axis=-1), dropout_rate, dropout_key)
   return _merge_rows(jnp.einsum)("bgms,bgsk->bgmk", p_BGRLS.astype(v_BGSK.dtype), v_BGSK)
 
 
@@ -247,6 +274,8 @@ def chunked_attention(
   dropout_key: jax.Array | None = None,
   block: int = 512,
   global_tokens: int = 0,
+  pieces_fn: PiecesFn | None = None,
+  rotate_fn: RotateFn | None = None,
 ):
   """Blockwise online-softmax kernel: memory O(L * block), any L and S.
 
@@ -265,6 +294,9 @@ def chunked_attention(
   Windowed self-attention without global tokens visits only the key blocks inside the window
   (`roformer.nn.attention.banded`): O(L * w) time instead of a scan over every key block.
 
+  Piecewise positions (`pieces_fn`) score each key block once per piece; a key block no piece
+  covers for any query of the block (attention sinks' middle) is skipped like a masked one.
+
   Args and returns: as `dense_attention`; `block` is the query and key block size. A
   `content_bias_fn` is refused: its cumulative sums run across key blocks.
   """
@@ -276,7 +308,7 @@ def chunked_attention(
   check_ranks(q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS)
   B, L, H, K = q_BLHK.shape
   S, G = k_BSGK.shape[1:3]
-  if window > 0 and not global_tokens and S == L:
+  if window > 0 and not global_tokens and S == L and pieces_fn is None:
     if banded.visited_blocks(L, block, window, causal) < -(-L // min(block, L)):
       return banded.banded_attention(
         q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS, qseg_BL=qseg_BL, kseg_BS=kseg_BS,
@@ -305,13 +337,23 @@ def chunked_attention(
         qpos_Bq, kpos_Bk, qseg_Bq, kseg_Bk, causal=causal, window=window,
         window_kind=window_kind, global_tokens=global_tokens,
       )  # fmt: skip
-      mask_B11qk = (mask_BqBk & kvalid_Bk[:, None, :])[:, None, None]
+      mask_BqBk &= kvalid_Bk[:, None, :]
+      if pieces_fn is not None:  # pairs no piece covers are masked
+        mask_BqBk &= pieces_cover(pieces_fn(qpos_Bq, kpos_Bk))
+      mask_B11qk = mask_BqBk[:, None, None]
 
       def update(carry):
         bias = None if bias_fn is None else bias_fn(qpos_Bq, kpos_Bk)
         key = None
         if dropout_key is not None:
           key = jax.random.fold_in(jax.random.fold_in(dropout_key, qi), ki)
+        if pieces_fn is not None:
+          s_BGRqk, _ = piecewise_scores(
+            q_BqHK, k_BkGK, qpos_Bq, kpos_Bk, bias, pieces_fn=pieces_fn, rotate_fn=rotate_fn
+          )
+          return online_softmax_step(
+            carry, s_BGRqk, v_BkGK, mask_B11qk, dropout_rate=dropout_rate, dropout_key=key
+          )
         return online_softmax_update(
           carry, q_BqGRK, k_BkGK, v_BkGK, mask_B11qk, bias, dropout_rate=dropout_rate,
           dropout_key=key,

@@ -18,6 +18,15 @@ BiasFn = Callable[[jax.Array, jax.Array], jax.Array | None]
 ContentBiasFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
 
+# (qpos_BL, kpos_BS) -> pieces (query rotation positions, key rotation positions, where) of a
+# block of positions (`roformer.posenc.extension`), or None.
+PiecesFn = Callable[[jax.Array, jax.Array], tuple | None]
+
+
+# (q_BLHK, k_BSGK, qpos_BL, kpos_BS) -> (q, k) rotated at those positions (`posenc.rotate`).
+RotateFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
+
+
 # Masked logits get a large finite value, not -inf, so that a block whose keys are all masked gives
 # exp(NEG - NEG) = 1 instead of NaN; masked probabilities are then zeroed explicitly.
 NEG = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -151,8 +160,19 @@ def online_softmax_update(
   adds exactly zero. Dropout drops probabilities after the denominator has them, which equals
   dropping the normalised attention weights.
   """
+  return online_softmax_step(
+    carry, scores(q_BqGRK, k_BkGK, bias), v_BkGK, mask_B11qk, dropout_rate=dropout_rate,
+    dropout_key=dropout_key,
+  )  # fmt: skip
+
+
+def online_softmax_step(
+  carry, s_BGRqk, v_BkGK, mask_B11qk, *, dropout_rate=0.0, dropout_key=None
+) -> tuple:
+  """`online_softmax_update` from the block's scaled logits [B, G, R, q, k] (float32), for
+  kernels that compute them otherwise (piecewise positions)."""
   m_BGRq, l_BGRq, acc_BGRqK = carry
-  s_BGRqk = jnp.where(mask_B11qk, scores(q_BqGRK, k_BkGK, bias), NEG)
+  s_BGRqk = jnp.where(mask_B11qk, s_BGRqk, NEG)
   m_new_BGRq = jnp.maximum(m_BGRq, s_BGRqk.max(axis=-1))
   p_BGRqk = jnp.where(mask_B11qk, jnp.exp(s_BGRqk - m_new_BGRq[..., None]), 0.0)
   correction_BGRq = jnp.exp(m_BGRq - m_new_BGRq)

@@ -2,7 +2,9 @@
 with a KV cache for generation.
 
 The cache holds `num_kv_heads` heads (GQA/MQA caches are H/G times smaller) and, for a sliding
-window w shorter than the generated length, w slots used as a ring buffer (kv_cache.py).
+window w shorter than the generated length, w slots used as a ring buffer (kv_cache.py); under
+StreamingLLM's attention sinks (posenc.extension kind "sinks"), the n sink slots and a ring of
+the recent window.
 
 Dimension legend as kernels.py; C cache slots.
 """
@@ -35,6 +37,14 @@ def kernel_init(in_axis, out_axis, names):
   return nnx.with_partitioning(init, names)
 
 
+def _cache_sinks(extension) -> tuple[int, int]:
+  """(sinks, recent window) a decoding cache keeps under StreamingLLM's extension: the keys no
+  later query sees are evicted, so the cache is bounded. (0, 0) for every other setting."""
+  if extension.kind != "sinks":
+    return (0, 0)
+  return (extension.sinks, extension.window)
+
+
 class Attention(nnx.Module):
   """Self-attention with q/k/v/out projections; positions enter only through `posenc`.
 
@@ -64,6 +74,7 @@ class Attention(nnx.Module):
     qk_norm: str = "none",
     norm_eps: float = 1e-6,
     query_scale: PosEncConfig | None = None,
+    cache_sinks: tuple[int, int] = (0, 0),
     dtype=jnp.float32,
     param_dtype=jnp.float32,
     rngs: nnx.Rngs,
@@ -84,6 +95,8 @@ class Attention(nnx.Module):
     self.window = window
     self.window_kind = window_kind
     self.global_tokens = global_tokens
+    # StreamingLLM's cache policy: (sinks, recent window) slots; (0, 0) = by `window` alone.
+    self.cache_sinks, self.cache_window = cache_sinks
     common = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     hk_bias = nnx.with_partitioning(nnx.initializers.zeros, ("heads", "kv"))
     qkv_init = kernel_init(0, (1, 2), ("embed", "heads", "kv"))
@@ -132,7 +145,8 @@ class Attention(nnx.Module):
       dropout_rate=cfg.dropout_rate, impl=cfg.attention_impl,
       block=cfg.attention_block, window=window, window_kind=cfg.attention_window_kind,
       global_tokens=cfg.global_tokens, qk_norm=cfg.qk_norm if normed else "none",
-      norm_eps=cfg.norm_eps, query_scale=layer_posenc, dtype=dtype, param_dtype=param_dtype,
+      norm_eps=cfg.norm_eps, query_scale=layer_posenc,
+      cache_sinks=_cache_sinks(cfg.posenc.extension), dtype=dtype, param_dtype=param_dtype,
       rngs=rngs,
     )  # fmt: skip
 
@@ -155,9 +169,11 @@ class Attention(nnx.Module):
     )
 
   def init_cache(self, batch: int, max_len: int) -> kv_cache.KVCache:
-    """An empty cache for generating up to `max_len` tokens (window slots when shorter)."""
+    """An empty cache for generating up to `max_len` tokens (window slots when shorter; the
+    attention sinks and their recent window under StreamingLLM's extension)."""
     _, G, K = self.key.kernel.shape
-    shape = (batch, kv_cache.capacity(self.window, max_len), G, K)
+    window = self.cache_window or self.window
+    shape = (batch, kv_cache.capacity(window, max_len, self.cache_sinks), G, K)
     return kv_cache.KVCache(jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype))
 
   def __call__(
@@ -196,18 +212,33 @@ class Attention(nnx.Module):
       ([B, L, H, K] in the compute dtype, the updated cache or None).
     """
     q_BLHK, k_BLGK, v_BLGK = self.qkv(x_BLD)
-    q_BLHK, k_BLGK = self._encode(q_BLHK, k_BLGK, pos_BL, posenc, rotary_state)
+    piecewise = {}
+    if posenc.extends_positions():
+      # A context extension remaps each (query, key) pair's distance: the kernel rotates q and
+      # k per piece, always with the pass's (or the generation's) rotary state, and the cache
+      # holds unrotated keys.
+      state = posenc.prepare(pos_BL) if rotary_state is None else rotary_state
+      piecewise = dict(
+        pieces_fn=posenc.position_pieces,
+        rotate_fn=lambda q, k, qpos, kpos: posenc.rotate(q, k, qpos, kpos, state),
+      )
+    q_BLHK, k_BLGK = self._encode(
+      q_BLHK, k_BLGK, pos_BL, posenc, rotary_state, rotate=not piecewise
+    )
     if cache is not None:
+      C = cache.k_BCGK.shape[1]
+      # A cache shorter than sinks + window holds the whole generation: plain slots.
+      sinks = self.cache_sinks if C == self.cache_sinks + self.cache_window else 0
       cache = kv_cache.KVCache(
-        kv_cache.write(cache.k_BCGK, k_BLGK, pos_BL),
-        kv_cache.write(cache.v_BCGK, v_BLGK, pos_BL),
+        kv_cache.write(cache.k_BCGK, k_BLGK, pos_BL, sinks),
+        kv_cache.write(cache.v_BCGK, v_BLGK, pos_BL, sinks),
       )
       if q_BLHK.shape[1] == 1:
-        kpos_BC, kseg_BC = kv_cache.cache_keys(cache.k_BCGK.shape[1], pos_BL)
+        kpos_BC, kseg_BC = kv_cache.cache_keys(C, pos_BL, sinks)
         o_BLHK = dense_attention(
           q_BLHK, cache.k_BCGK, cache.v_BCGK, pos_BL, kpos_BC, qseg_BL=jnp.zeros_like(pos_BL),
           kseg_BS=kseg_BC, causal=True, window=self.window, window_kind=self.window_kind,
-          bias_fn=posenc.bias,
+          bias_fn=posenc.bias, **piecewise,
         )  # fmt: skip
         return o_BLHK, cache
     o_BLHK = KERNELS[self.impl](
@@ -227,16 +258,21 @@ class Attention(nnx.Module):
       dropout_key=dropout_key,
       block=self.block,
       global_tokens=self.global_tokens,
+      **piecewise,
     )
     return o_BLHK, cache
 
-  def _encode(self, q_BLHK, k_BLGK, pos_BL, posenc, rotary_state):
+  def _encode(self, q_BLHK, k_BLGK, pos_BL, posenc, rotary_state, *, rotate=True):
     """Queries and keys as the kernels see them: QK-norm "rmsnorm" (before rotation, as OLMo 2,
     Qwen3 and Gemma 3), the encoding's rotation, QK-norm "l2" (after it, as Llama 4), then the
-    query temperature (after both, as Llama 4). Keys leave here as the cache stores them."""
+    query temperature (after both, as Llama 4). Keys leave here as the cache stores them.
+
+    With `rotate=False` (piecewise positions, whose kernels rotate per piece) the rest still
+    applies unchanged: the l2 norm and the temperature commute with a rotation."""
     if self.query_norm is not None:
       q_BLHK, k_BLGK = self.query_norm(q_BLHK), self.key_norm(k_BLGK)
-    q_BLHK, k_BLGK = posenc.rotate(q_BLHK, k_BLGK, pos_BL, pos_BL, rotary_state)
+    if rotate:
+      q_BLHK, k_BLGK = posenc.rotate(q_BLHK, k_BLGK, pos_BL, pos_BL, rotary_state)
     if self.qk_norm == "l2":
       q_BLHK, k_BLGK = l2_norm(q_BLHK, self.norm_eps), l2_norm(k_BLGK, self.norm_eps)
     if self.query_scale is not None:

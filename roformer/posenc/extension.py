@@ -1,0 +1,135 @@
+"""Training-free context extensions as piecewise positions: each kind maps a block of (query,
+key) position pairs to a few pieces, each a (query rotation positions, key rotation positions,
+where) triple.
+
+A rotary score depends on the pair only through qrot[i] - krot[j], so a piece gives every pair it
+covers the relative distance qrot[i] - krot[j]; pairs no piece covers are masked. The pieces of
+one kind are disjoint. The attention kernels (roformer/nn/attention/piecewise.py) score each key
+block once per piece with differently rotated queries and keys and merge the logits by `where`
+before the online softmax, so memory stays linear in the context.
+
+Every function takes int positions qpos_BL, kpos_BS (per window, from 0) and returns a tuple of
+`Piece`. Legend: B batch, L queries, S keys.
+"""
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from roformer.posenc.config import ContextExtension
+
+
+class Piece(NamedTuple):
+  """Query rotation positions qrot_BL, key rotation positions krot_BS, and where_BLS (bool):
+  the pairs whose logit is q(qrot) . k(krot)."""
+
+  qrot_BL: jax.Array
+  krot_BS: jax.Array
+  where_BLS: jax.Array
+
+
+def _distance(qpos_BL, kpos_BS):
+  return qpos_BL[:, :, None] - kpos_BS[:, None, :]
+
+
+def self_extend(ext: ContextExtension, qpos_BL, kpos_BS) -> tuple[Piece, ...]:
+  """Self-Extend (Jin et al. 2024, "LLM Maybe LongLM", arXiv 2401.01325).
+
+  Keys within the neighbour window W (distance < W) keep their positions; farther keys take
+  grouped positions floor(j / G) and the query floor(i / G) + W - floor(W / G), so that the
+  grouped distance continues where the neighbour distances stop (the reference code's
+  group_query_position; its W / G is a true division, equal to floor(W / G) for the W that are
+  multiples of G the paper uses).
+  """
+  W, G = ext.window, ext.group
+  near_BLS = _distance(qpos_BL, kpos_BS) < W
+  grouped_q_BL = qpos_BL // G + W - W // G
+  return (
+    Piece(qpos_BL, kpos_BS, near_BLS),
+    Piece(grouped_q_BL, kpos_BS // G, ~near_BLS),
+  )
+
+
+def dual_chunk(ext: ContextExtension, qpos_BL, kpos_BS) -> tuple[Piece, ...]:
+  """Dual Chunk Attention (An et al. 2024, ChunkLlama, arXiv 2402.17463).
+
+  Positions are cut into chunks of s; every key sits at j mod s. Intra-chunk (same chunk): the
+  query at i mod s. Successive chunk (the key's chunk just before the query's): the query at
+  min(i mod s + s, s + w), so the first queries of a chunk keep exact distances to the
+  previous chunk's tail, up to the local window w. Inter-chunk (earlier chunks): the query at
+  min(2s - 1, s + w), the largest successive-chunk position (ChunkLlama's q_states_inter).
+  Keys of later chunks are left to the causal mask.
+  """
+  s, w = ext.chunk, ext.local
+  cq_BL1 = (qpos_BL // s)[:, :, None]
+  ck_B1S = (kpos_BS // s)[:, None, :]
+  qin_BL = qpos_BL % s
+  krot_BS = kpos_BS % s
+  return (
+    Piece(qin_BL, krot_BS, cq_BL1 == ck_B1S),
+    Piece(jnp.minimum(qin_BL + s, s + w), krot_BS, ck_B1S == cq_BL1 - 1),
+    Piece(jnp.full_like(qpos_BL, min(2 * s - 1, s + w)), krot_BS, ck_B1S < cq_BL1 - 1),
+  )
+
+
+def rerope(ext: ContextExtension, qpos_BL, kpos_BS) -> tuple[Piece, ...]:
+  """ReRoPE (Su 2023, "Rectified Rotary Position Embeddings"): distance min(i - j, w).
+
+  Keys beyond the window all sit at distance w: the query at w, the key at 0.
+  """
+  w = ext.window
+  near_BLS = _distance(qpos_BL, kpos_BS) < w
+  return (
+    Piece(qpos_BL, kpos_BS, near_BLS),
+    Piece(jnp.full_like(qpos_BL, w), jnp.zeros_like(kpos_BS), ~near_BLS),
+  )
+
+
+def shifted(ext: ContextExtension, qpos_BL, kpos_BS) -> tuple[Piece, ...]:
+  """STRING (An et al. 2024, "Why Does the Effective Context Length of LLMs Fall Short?",
+  arXiv 2410.18745): distances d >= S (the shifted offset) become d - S + W (W the local
+  value), so the well-trained small distances overwrite the rarely trained large ones while
+  the W nearest distances stay distinct; distances below S are unchanged. The query moves to
+  i - S + W.
+  """
+  S, W = ext.shift, ext.local
+  near_BLS = _distance(qpos_BL, kpos_BS) < S
+  return (
+    Piece(qpos_BL, kpos_BS, near_BLS),
+    Piece(qpos_BL - S + W, kpos_BS, ~near_BLS),
+  )
+
+
+def attention_sinks(ext: ContextExtension, qpos_BL, kpos_BS) -> tuple[Piece, ...]:
+  """StreamingLLM (Xiao et al. 2023, arXiv 2309.17453): the first n keys (attention sinks) and
+  the w most recent keys, the query included; the rest are masked.
+
+  Positions are those inside the rolling cache of n + w slots, as the paper assigns them: a
+  recent key keeps its distance i - j, and a sink j sits at cache slot j while the query, once
+  the cache is full (i >= n + w - 1), sits at the last slot n + w - 1, so its distance is
+  min(i, n + w - 1) - j.
+  """
+  n, w = ext.sinks, ext.window
+  d_BLS = _distance(qpos_BL, kpos_BS)
+  recent_BLS = d_BLS < w
+  sink_BLS = ~recent_BLS & (kpos_BS < n)[:, None, :]
+  return (
+    Piece(qpos_BL, kpos_BS, recent_BLS),
+    Piece(jnp.minimum(qpos_BL, n + w - 1), kpos_BS, sink_BLS),
+  )
+
+
+EXTENSIONS: dict[str, Callable[..., tuple[Piece, ...]]] = {
+  "self_extend": self_extend,
+  "dca": dual_chunk,
+  "rerope": rerope,
+  "string": shifted,
+  "sinks": attention_sinks,
+}
+
+
+def position_pieces(ext: ContextExtension, qpos_BL, kpos_BS) -> tuple[Piece, ...]:
+  """The pieces of `ext` for a block of positions (int [B, L] and [B, S])."""
+  return EXTENSIONS[ext.kind](ext, qpos_BL, kpos_BS)

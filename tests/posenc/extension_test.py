@@ -1,0 +1,157 @@
+"""Context extensions: the effective relative distance of every (query, key) pair against a
+hand computation from each paper's formula, and negative controls."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from roformer.posenc.config import ContextExtension
+from roformer.posenc.extension import position_pieces
+
+MASKED = -1  # the distance matrix's entry for a pair no piece covers
+
+
+def effective_distance(ext: ContextExtension, L: int) -> np.ndarray:
+  """[L, L] qrot[i] - krot[j] of the piece covering (i, j), MASKED where none does, for causal
+  pairs (j <= i) at positions 0..L-1; checks the pieces are disjoint."""
+  pos_1L = jnp.arange(L)[None, :]
+  dist = np.full((L, L), MASKED)
+  taken = np.zeros((L, L), bool)
+  for qrot_BL, krot_BS, where_BLS in position_pieces(ext, pos_1L, pos_1L):
+    where = np.asarray(where_BLS[0])
+    assert not (where & taken).any(), "pieces overlap"
+    taken |= where
+    d = np.asarray(qrot_BL[0])[:, None] - np.asarray(krot_BS[0])[None, :]
+    dist = np.where(where, d, dist)
+  causal = np.tril(np.ones((L, L), bool))
+  return np.where(causal, dist, MASKED)
+
+
+def hand_self_extend(L, W, G):
+  # Jin et al. 2024, eq. for grouped attention: query floor(i/G) + W - floor(W/G), key floor(j/G).
+  out = np.full((L, L), MASKED)
+  for i in range(L):
+    for j in range(i + 1):
+      out[i, j] = i - j if i - j < W else (i // G + W - W // G) - j // G
+  return out
+
+
+def hand_dca(L, s, w):
+  # An et al. 2024 / ChunkLlama: keys at j mod s; the query at i mod s (same chunk), at
+  # min(i mod s + s, s + w) (previous chunk), at min(2s - 1, s + w) (earlier chunks).
+  out = np.full((L, L), MASKED)
+  for i in range(L):
+    for j in range(i + 1):
+      ci, cj = i // s, j // s
+      if ci == cj:
+        q = i % s
+      elif cj == ci - 1:
+        q = min(i % s + s, s + w)
+      else:
+        q = min(2 * s - 1, s + w)
+      out[i, j] = q - j % s
+  return out
+
+
+def hand_rerope(L, w):
+  out = np.full((L, L), MASKED)
+  for i in range(L):
+    for j in range(i + 1):
+      out[i, j] = min(i - j, w)
+  return out
+
+
+def hand_string(L, S, W):
+  # An et al. 2024 (STRING): P[i, j] = i - j - S + W where i - j >= S, else i - j.
+  out = np.full((L, L), MASKED)
+  for i in range(L):
+    for j in range(i + 1):
+      out[i, j] = i - j - S + W if i - j >= S else i - j
+  return out
+
+
+def hand_sinks(L, n, w):
+  # StreamingLLM: a cache of n sinks + w recent slots; positions are cache slots, so once the
+  # cache is full the query sits at slot n + w - 1 and sink j at slot j.
+  out = np.full((L, L), MASKED)
+  for i in range(L):
+    cache = list(range(i + 1)) if i < n + w else list(range(n)) + list(range(i - w + 1, i + 1))
+    for slot, j in enumerate(cache):
+      out[i, j] = (len(cache) - 1) - slot
+  return out
+
+
+CASES = [
+  (ContextExtension("self_extend", window=4, group=3), lambda L: hand_self_extend(L, 4, 3)),
+  (ContextExtension("self_extend", window=6, group=2), lambda L: hand_self_extend(L, 6, 2)),
+  (ContextExtension("dca", chunk=5, local=2), lambda L: hand_dca(L, 5, 2)),
+  (ContextExtension("dca", chunk=4, local=6), lambda L: hand_dca(L, 4, 6)),
+  (ContextExtension("rerope", window=5), lambda L: hand_rerope(L, 5)),
+  (ContextExtension("string", shift=7, local=2), lambda L: hand_string(L, 7, 2)),
+  (ContextExtension("sinks", sinks=2, window=5), lambda L: hand_sinks(L, 2, 5)),
+  (ContextExtension("sinks", sinks=0, window=3), lambda L: hand_sinks(L, 0, 3)),
+]
+
+
+@pytest.mark.parametrize("ext, hand", CASES, ids=lambda c: getattr(c, "kind", ""))
+def test_extension_distances_equal_hand_computation(ext, hand):
+  np.testing.assert_array_equal(effective_distance(ext, 23), hand(23))
+
+
+def test_self_extend_distances_by_hand_small_example():
+  # W = 2, G = 2 at L = 6: row 5 sees keys 4, 5 at 1, 0 and keys 0..3 at (5//2 + 2 - 1) - j//2.
+  d = effective_distance(ContextExtension("self_extend", window=2, group=2), 6)
+  np.testing.assert_array_equal(d[5], [3, 3, 2, 2, 1, 0])
+  np.testing.assert_array_equal(d[2], [2, 1, 0, MASKED, MASKED, MASKED])
+
+
+def _ext(kind, **fields):
+  return ContextExtension(kind, **fields)
+
+
+@pytest.mark.parametrize(
+  "ext, other",
+  [
+    (_ext("self_extend", window=4, group=3), _ext("self_extend", window=5, group=3)),
+    (_ext("self_extend", window=4, group=3), _ext("self_extend", window=4, group=4)),
+    (_ext("dca", chunk=5, local=2), _ext("dca", chunk=6, local=2)),
+    (_ext("dca", chunk=5, local=2), _ext("dca", chunk=5, local=3)),
+    (_ext("rerope", window=5), _ext("rerope", window=6)),
+    (_ext("string", shift=7, local=2), _ext("string", shift=8, local=2)),
+    (_ext("string", shift=7, local=2), _ext("string", shift=7, local=3)),
+    (_ext("sinks", sinks=2, window=5), _ext("sinks", sinks=3, window=5)),
+    (_ext("sinks", sinks=2, window=5), _ext("sinks", sinks=2, window=6)),
+  ],
+)
+def test_extension_parameter_off_by_one_changes_distances(ext, other):
+  assert (effective_distance(ext, 23) != effective_distance(other, 23)).any()
+
+
+def test_extension_keeps_every_distance_inside_its_bound():
+  # The point of each method: no distance beyond what the model was trained on.
+  L = 64
+  assert effective_distance(ContextExtension("rerope", window=5), L).max() == 5
+  # Self-Extend's largest distance: (L-1)//G + W - W//G.
+  assert effective_distance(ContextExtension("self_extend", window=8, group=4), L).max() == (
+    63 // 4 + 8 - 2
+  )
+  assert effective_distance(ContextExtension("dca", chunk=8, local=3), L).max() == 8 + 3
+  assert effective_distance(ContextExtension("string", shift=20, local=4), L).max() == 63 - 16
+  assert effective_distance(ContextExtension("sinks", sinks=2, window=10), L).max() == 11
+
+
+@pytest.mark.parametrize(
+  "fields, message",
+  [
+    (dict(kind="self_extend", window=4), "extension.group >= 1"),
+    (dict(kind="dca"), "extension.chunk >= 1"),
+    (dict(kind="rerope"), "extension.window >= 1"),
+    (dict(kind="string", shift=4, local=4), "must be below"),
+    (dict(kind="sinks", sinks=4), "extension.window >= 1"),
+    (dict(kind="yarn"), "is not one of"),
+    (dict(kind="rerope", window=3, local=-1), "must be >= 0"),
+  ],
+)
+def test_extension_config_refuses_missing_or_bad_fields(fields, message):
+  with pytest.raises(ValueError, match=message):
+    ContextExtension(**fields)
