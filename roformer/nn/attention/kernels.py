@@ -215,8 +215,9 @@ def _attend(q_BGRLK, k_BGSK, v_BGSK, mask_BLS, bias_BGRLS):
 def _attend_fwd(q_BGRLK, k_BGSK, v_BGSK, mask_BLS, bias_BGRLS):
   s_BGRLS = _logits(q_BGRLK, k_BGSK, mask_BLS, bias_BGRLS)
   m_BGRL1 = s_BGRLS.max(axis=-1, keepdims=True)
-  # A row whose every key is masked (its max is NEG) gets e = 0: zero output, zero gradients.
-  e_BGRLS = jnp.where(m_BGRL1 > NEG, jnp.exp(s_BGRLS - m_BGRL1), 0.0)
+  # A row whose every key is masked (its max is NEG) subtracts 0 instead: e = exp(NEG) = 0,
+  # so it gives zero output and zero gradients (a per-row fix, not a pass over [L, S]).
+  e_BGRLS = jnp.exp(s_BGRLS - jnp.where(m_BGRL1 > NEG, m_BGRL1, 0.0))
   l_BGRL = e_BGRLS.sum(axis=-1)
   ev_BGRLK = _merge_rows(jnp.einsum)("bgms,bgsk->bgmk", e_BGRLS.astype(v_BGSK.dtype), v_BGSK)
   l_BGRL = jnp.where(l_BGRL == 0.0, 1.0, l_BGRL)
