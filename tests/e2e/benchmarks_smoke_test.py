@@ -15,6 +15,10 @@ CASES = {
     ["--steps=3", "--seq_len=64", "--global_batch_size=4", "--tokenizers=bytes"],
     [r"^\| bytes \| decoder \| [\d,]+ \|", r"^\| bytes \| encoder \| [\d,]+ \|"],
   ),
+  "eval_speed": (
+    ["--smoke"],  # 1 layer x 32 at 64 and 256 tokens: one dense, one chunked
+    [r"^\| 64 \| [\d,]+ \| [\d.]+ \| - \| - \|", r"^\| 256 \| [\d,]+ \| [\d.]+ \| - \| - \|"],
+  ),
   "eval_memory": (
     ["--lengths=128,256", "--num_layers=1", "--emb_dim=32", "--attention_block=64"],
     [r"^\s+128\s+\d+", r"^\s+256\s+\d+"],
