@@ -194,6 +194,18 @@ def flag_args(overrides: dict) -> list[str]:
   return [f"--config.{name}={value}" for name, value in overrides.items()]
 
 
+def run_script(script: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+  """Runs the repository's `script` (e.g. "eval.py") on CPU with `args`; output captured."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
+  return subprocess.run(
+    [sys.executable, str(REPO / script), *args],
+    capture_output=True,
+    text=True,
+    env=env,
+    timeout=timeout,
+  )
+
+
 def subprocess_env(devices: int = 1, **extra: str) -> dict:
   env = dict(os.environ)
   env.update(

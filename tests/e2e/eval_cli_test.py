@@ -13,7 +13,7 @@ from flax import nnx
 
 from configs import default
 from roformer import config as config_lib
-from roformer import runs
+from roformer import runs, testing
 from roformer.evals import ppl_vs_length, results, spec
 from roformer.infra import checkpoint
 from roformer.nn.model import make_model
@@ -75,14 +75,7 @@ def _evaluate(workdir, *, step=None, overwrite=False, log=lambda _: None, **opti
 
 
 def _run_cli(*args):
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
-  return subprocess.run(
-    [sys.executable, str(REPO / "eval.py"), *args],
-    capture_output=True,
-    text=True,
-    env=env,
-    timeout=300,
-  )
+  return testing.run_script("eval.py", *args)
 
 
 def test_evaluate_workdir_writes_design_schema_json_and_png(rope_run):

@@ -4,10 +4,7 @@ positive and negative controls, and the CLI's flag checks."""
 
 import dataclasses
 import json
-import os
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -129,14 +126,7 @@ def test_extended_decoder_blockwise_equals_dense(hf_dir, ext):
 
 
 def _run_cli(*args):
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(testing.REPO))
-  return subprocess.run(
-    [sys.executable, str(testing.REPO / "eval.py"), *args],
-    capture_output=True,
-    text=True,
-    env=env,
-    timeout=300,
-  )
+  return testing.run_script("eval.py", *args)
 
 
 def test_eval_cli_extend_writes_its_result_and_refuses_unread_numbers(hf_dir, tmp_path):

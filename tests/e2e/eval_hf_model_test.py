@@ -2,10 +2,7 @@
 tokenizer.json, every flag of a run's evaluation, and results named and plotted like a run's."""
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -105,14 +102,7 @@ def test_a_tokenizer_with_ids_beyond_the_vocabulary_is_refused(hf_dir):
 
 
 def _run_cli(*args):
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(testing.REPO))
-  return subprocess.run(
-    [sys.executable, str(testing.REPO / "eval.py"), *args],
-    capture_output=True,
-    text=True,
-    env=env,
-    timeout=300,
-  )
+  return testing.run_script("eval.py", *args)
 
 
 def test_eval_cli_hf_model_writes_its_result_and_refuses_step(hf_dir):

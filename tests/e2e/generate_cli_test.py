@@ -1,9 +1,6 @@
 """Tests of generate.py and roformer.generate.generate_text on a workdir with a checkpoint."""
 
 import dataclasses
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -13,12 +10,11 @@ from flax import nnx
 from configs import default
 from roformer import config as config_lib
 from roformer import generate as gen
-from roformer import runs
+from roformer import runs, testing
 from roformer.data.tokenizer import ByteTokenizer
 from roformer.infra import checkpoint
 from roformer.nn.model import make_model
 from roformer.posenc.config import ContextExtension
-from roformer.testing import REPO
 
 
 def _make_run(workdir: Path, model_kind: str):
@@ -41,14 +37,7 @@ def _make_run(workdir: Path, model_kind: str):
 
 
 def _run_cli(*args):
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
-  return subprocess.run(
-    [sys.executable, str(REPO / "generate.py"), *args],
-    capture_output=True,
-    text=True,
-    env=env,
-    timeout=300,
-  )
+  return testing.run_script("generate.py", *args)
 
 
 @pytest.mark.slow
