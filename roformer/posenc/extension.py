@@ -93,6 +93,11 @@ def shifted(ext: ContextExtension, qpos_BL, kpos_BS) -> tuple[Piece, ...]:
   value), so the well-trained small distances overwrite the rarely trained large ones while
   the W nearest distances stay distinct; distances below S are unchanged. The query moves to
   i - S + W.
+
+  This is the paper's formula. The authors' Llama code differs in two details it does not
+  state: its two flash-attention calls both take the distance d = S (one at S, one at W, merged
+  by log-sum-exp), and it multiplies RoPE's cos and sin by 0.1 ln 2 + 1 (YaRN's attention factor
+  at scale 2), so its logits are (0.1 ln 2 + 1)^2 times larger. Neither is done here.
   """
   S, W = ext.shift, ext.local
   near_BLS = _distance(qpos_BL, kpos_BS) < S
