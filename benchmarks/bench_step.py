@@ -23,6 +23,23 @@ def run_config(config):
   return config_lib.run_config_from_dict(config, vocab_size=vocab)
 
 
+def run_config_or_exit(prog: str, config):
+  """`run_config(config)` after XLA's CPU flags are set as train.py sets them (before JAX
+  starts); a config error is printed as `PROG: error: ...` and exits with status 1."""
+  import sys
+
+  from roformer.infra import cpu_flags
+
+  cpu_flags.set_default_cpu_flags()
+  from roformer import config as config_lib
+
+  try:
+    return run_config(config)
+  except config_lib.ConfigError as e:
+    print(f"{prog}: error: {e}", file=sys.stderr)
+    sys.exit(1)
+
+
 def synthetic_batch(run_config, rng):
   """A global batch shaped like TrainBatches' (random tokens; BERT-style weights for encoders)."""
   import numpy as np

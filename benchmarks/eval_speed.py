@@ -162,16 +162,7 @@ def main(argv):
   if FLAGS.compare_hf and (missing := hf_counterpart.missing()):
     print(f"eval_speed.py: error: {missing}", file=sys.stderr)
     sys.exit(1)
-  from roformer.infra import cpu_flags
-
-  cpu_flags.set_default_cpu_flags()  # as eval.py does, before JAX starts
-  from roformer import config as config_lib
-
-  try:
-    run_config = bench_step.run_config(config)
-  except config_lib.ConfigError as e:
-    print(f"eval_speed.py: error: {e}", file=sys.stderr)
-    sys.exit(1)
+  run_config = bench_step.run_config_or_exit("eval_speed.py", config)
   if run_config.model.kind != "decoder":
     print("eval_speed.py: error: model.kind must be 'decoder' (use configs/lm.py)", file=sys.stderr)
     sys.exit(1)

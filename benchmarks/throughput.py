@@ -213,16 +213,7 @@ def main(argv):
   if FLAGS.compare_hf and (missing := hf_counterpart.missing()):
     print(f"throughput.py: error: {missing}", file=sys.stderr)
     sys.exit(1)
-  from roformer.infra import cpu_flags
-
-  cpu_flags.set_default_cpu_flags()  # as train.py does, before JAX starts
-  from roformer import config as config_lib
-
-  try:
-    run_config = bench_step.run_config(config)
-  except config_lib.ConfigError as e:
-    print(f"throughput.py: error: {e}", file=sys.stderr)
-    sys.exit(1)
+  run_config = bench_step.run_config_or_exit("throughput.py", config)
   try:
     result = benchmark(
       run_config,
