@@ -109,6 +109,9 @@ def get_config() -> ml_collections.ConfigDict:
   model.qk_norm = "none"
   # Kinds of posenc.layer_pattern whose layers apply qk_norm ("" = every layer; Llama 4: "rope").
   model.qk_norm_kinds = ""
+  # A learned sink logit per query head that joins the softmax denominator as a key with no value
+  # (gpt-oss), so a head can attend to nothing. Softmax attention only; every kernel and the cache.
+  model.attention_sinks = False
 
   # ---- posenc: the positional encoding (one field picks it; every kind's fields are here) ----
   config.posenc = posenc = ml_collections.ConfigDict()

@@ -80,6 +80,7 @@ class ModelConfig:
   qk_rope_head_dim: int = 0  # mla: width of the rotary key shared by all heads
   qk_norm: str = "none"  # none | rmsnorm (per head, before RoPE) | l2 (after RoPE, Llama 4)
   qk_norm_kinds: str = ""  # kinds of posenc.layer_pattern whose layers normalise; "" = all
+  attention_sinks: bool = False  # a learned sink logit per query head (gpt-oss)
   posenc: PosEncConfig = PosEncConfig()
 
   def __post_init__(self):
@@ -223,12 +224,15 @@ def _check_per_layer(cfg: ModelConfig) -> None:
       "posenc.layer_pattern / posenc.max_wavelength_pattern give layers different encodings, "
       "which model.scan_layers=True (one stacked block) cannot; set one of them off"
     )
-  for field, value in (("model.qk_norm", cfg.qk_norm), ("posenc.query_scale",
-                        cfg.posenc.query_scale)):  # fmt: skip
-    if value != "none" and cfg.attention != "softmax":
+  for field, value, off in (
+    ("model.qk_norm", cfg.qk_norm, "none"),
+    ("posenc.query_scale", cfg.posenc.query_scale, "none"),
+    ("model.attention_sinks", cfg.attention_sinks, False),
+  ):
+    if value != off and cfg.attention != "softmax":
       raise ValueError(
         f"{field}={value!r} is implemented by softmax attention only, not "
-        f"model.attention={cfg.attention!r}; set it to 'none' or model.attention='softmax'"
+        f"model.attention={cfg.attention!r}; set it to {off!r} or model.attention='softmax'"
       )
 
 

@@ -92,11 +92,12 @@ print("SPECS " + json.dumps(specs))
 """
 
 
-# Per-layer encodings with chunked windows, QK-norm's learned scales and SSMax's per-head s.
+# Per-layer encodings with chunked windows, QK-norm's learned scales, SSMax's per-head s and
+# the per-head sink logits.
 _FRONTIER = {
   "posenc.layer_pattern": "rope,nope", "model.attention_window_pattern": "8,0",
   "model.attention_window_kind": "chunked", "model.qk_norm": "rmsnorm",
-  "posenc.query_scale": "ssmax",
+  "posenc.query_scale": "ssmax", "model.attention_sinks": True,
 }  # fmt: skip
 
 
@@ -123,8 +124,9 @@ def test_sharded_training_matches_one_device(tmp_path, options):
   assert specs[f"opt_state/1/0/mu/{kernel}"] == specs[kernel]
   assert specs["layers/0/attn/query/kernel"] == "P('fsdp', 'tensor', None)"
   assert specs["embed/embedding"] == "P(None, 'fsdp')"  # 261 rows: uneven over tensor
-  if options:  # one s per head, split with the heads; QK-norm scales span 'kv', replicated
+  if options:  # one s and sink per head, split with the heads; QK-norm scales span 'kv', replicated
     assert specs["layers/0/attn/query_scale/s"] == "P('tensor',)"
+    assert specs["layers/0/attn/sinks"] == "P('tensor',)"
     assert specs["layers/0/attn/query_norm/scale"] == "P(None,)"
 
   single_train, single_eval = testing.read_metrics(tmp_path / "single")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from roformer.nn.attention import primitives
+from roformer.nn.attention import primitives, sinks
 
 
 def visited_blocks(length: int, block: int, window: int, causal: bool) -> int:
@@ -44,6 +44,7 @@ def banded_attention(
   dropout_rate: float = 0.0,
   dropout_key=None,
   block: int = 512,
+  sink_H=None,
 ):
   """Self-attention (S = L) under a sliding window w > 0; arguments as `chunked_attention`.
 
@@ -93,7 +94,7 @@ def banded_attention(
       )  # fmt: skip
       return carry, None
 
-    init = primitives.online_softmax_init(B, G, R, b, K)
+    init = primitives.online_softmax_init(B, G, R, b, K, sinks.grouped(sink_H, G))
     carry, _ = jax.lax.scan(jax.checkpoint(key_block), init, jnp.arange(n_visit))
     return primitives.online_softmax_output(carry, q_BLHK.dtype)
 

@@ -11,7 +11,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from roformer.nn.attention import banded
+from roformer.nn.attention import banded, sinks
 from roformer.nn.attention.primitives import (
   NEG,
   BiasFn,
@@ -46,6 +46,7 @@ def dense_attention(
   dropout_key: jax.Array | None = None,
   block: int = 512,
   global_tokens: int = 0,
+  sink_H: jax.Array | None = None,
 ):
   """Reference kernel: materialises the [L, S] scores, fp32 softmax.
 
@@ -65,6 +66,7 @@ def dense_attention(
     dropout_rate, dropout_key: attention-probability dropout (no dropout when the key is None).
     block: unused (kept so every kernel has the same signature).
     global_tokens: see `attention_mask`.
+    sink_H: per query head sink logits [H] (`sinks.py`), or None for none.
 
   Returns:
     [B, L, H, K] in the dtype of q. A query with no allowed key gets zeros.
@@ -80,6 +82,7 @@ def dense_attention(
   # them into a transposed layout, in the forward pass and again in the backward pass.
   q_BGRLK = q_BLHK.reshape(B, L, G, H // G, K).transpose(0, 2, 3, 1, 4)
   k_BGSK, v_BGSK = k_BSGK.transpose(0, 2, 1, 3), v_BSGK.transpose(0, 2, 1, 3)
+  sink_GR = sinks.grouped(sink_H, G)
   spans = [(0, L, S)]
   if causal and S == L and content_bias_fn is None and (dropout_key is None or not dropout_rate):
     spans = causal_query_blocks(L)
@@ -99,7 +102,7 @@ def dense_attention(
       bias_BHTE = content_BHLS if bias_BHTE is None else bias_BHTE + content_BHLS
     o_BGRTK = _softmax_attention(
       q_BGRLK[:, :, :, start:end], k_BGSK[:, :, :keys], v_BGSK[:, :, :keys], mask_BTE,
-      bias_BHTE, dropout_rate, dropout_key,
+      bias_BHTE, sink_GR, dropout_rate, dropout_key,
     )  # fmt: skip
     if masked:  # a query with no allowed key gets zeros (as in `chunked`), not the mean of v
       o_BGRTK = jnp.where(mask_BTE.any(axis=-1)[:, None, None, :, None], o_BGRTK, 0.0)
@@ -130,9 +133,11 @@ def causal_query_blocks(length: int) -> list[tuple[int, int, int]]:
   return [(s, min(s + size, length), min(s + size, length)) for s in range(0, length, size)]
 
 
-def _softmax_attention(q_BGRLK, k_BGSK, v_BGSK, mask_BLS, bias_BHLS, dropout_rate, dropout_key):
+def _softmax_attention(
+  q_BGRLK, k_BGSK, v_BGSK, mask_BLS, bias_BHLS, sink_GR, dropout_rate, dropout_key
+):
   """softmax(q k / sqrt(K) + bias, masked) v over heads-first operands: [B, G, R, L, K] (fp32
-  scores and softmax)."""
+  scores and softmax), with the sink logits [G, R] (or None) in every row's denominator."""
   B, G, R, L, K = q_BGRLK.shape
   S = k_BGSK.shape[2]
   bias_BGRLS = None
@@ -140,10 +145,20 @@ def _softmax_attention(q_BGRLK, k_BGSK, v_BGSK, mask_BLS, bias_BHLS, dropout_rat
     bias_BGRLS = bias_BHLS.astype(jnp.float32).reshape(-1, G, R, L, S)
     bias_BGRLS = jnp.broadcast_to(bias_BGRLS, (B, G, R, L, S))
   if dropout_key is None or not dropout_rate:
-    return _attend(q_BGRLK, k_BGSK, v_BGSK, mask_BLS, bias_BGRLS)
-  p_BGRLS = dropout(jax.nn.softmax(_logits(q_BGRLK, k_BGSK, mask_BLS, bias_BGRLS), axis=-1),
-                    dropout_rate, dropout_key)  # fmt: skip
+    return _attend(q_BGRLK, k_BGSK, v_BGSK, mask_BLS, bias_BGRLS, sink_GR)
+  p_BGRLS = _probabilities(_logits(q_BGRLK, k_BGSK, mask_BLS, bias_BGRLS), sink_GR)
+  p_BGRLS = dropout(p_BGRLS, dropout_rate, dropout_key)
   return _merge_rows(jnp.einsum)("bgms,bgsk->bgmk", p_BGRLS.astype(v_BGSK.dtype), v_BGSK)
+
+
+def _probabilities(s_BGRLS, sink_GR):
+  """Softmax over the keys, the sink (if any) one more term of the denominator."""
+  if sink_GR is None:
+    return jax.nn.softmax(s_BGRLS, axis=-1)
+  sink_1GR11 = sink_GR[None, :, :, None, None]
+  m_BGRL1 = jnp.maximum(s_BGRLS.max(axis=-1, keepdims=True), sink_1GR11)
+  e_BGRLS = jnp.exp(s_BGRLS - m_BGRL1)
+  return e_BGRLS / (e_BGRLS.sum(axis=-1, keepdims=True) + jnp.exp(sink_1GR11 - m_BGRL1))
 
 
 def _merge_rows(einsum):
@@ -172,7 +187,7 @@ def _logits(q_BGRLK, k_BGSK, mask_BLS, bias_BGRLS):
 
 
 @jax.custom_vjp
-def _attend(q_BGRLK, k_BGSK, v_BGSK, mask_BLS, bias_BGRLS):
+def _attend(q_BGRLK, k_BGSK, v_BGSK, mask_BLS, bias_BGRLS, sink_GR=None):
   """softmax attention without dropout, with a hand-written backward pass.
 
   The forward pass normalises after the probability-value product (o = (e v) / l with
@@ -181,25 +196,38 @@ def _attend(q_BGRLK, k_BGSK, v_BGSK, mask_BLS, bias_BGRLS):
   [L, S] scores, and needs no mask (e is exactly 0 where masked). Equal to jax.nn.softmax's
   forward and gradients to float32 rounding, except that a row with every key masked gives
   zeros (as `dense_attention` returns for it) rather than uniform weights.
+
+  With sink logits sink_GR (`sinks.py`), the row max also covers the sink and l gains
+  exp(sink - max), a key with no value. Its gradient: o = (e v) / l depends on the sink only
+  through l, d l / d sink = exp(sink - max), so d o / d sink = -o p_sink with
+  p_sink = exp(sink - max) / l, and d loss / d sink = -sum over batch and rows of
+  p_sink (do . o), the same do . o that the logits' gradient uses. The logits' gradient keeps
+  its form, p (dp - do . o): the sink adds no term to sum_s p dp, having no value.
   """
-  return _attend_fwd(q_BGRLK, k_BGSK, v_BGSK, mask_BLS, bias_BGRLS)[0]
+  return _attend_fwd(q_BGRLK, k_BGSK, v_BGSK, mask_BLS, bias_BGRLS, sink_GR)[0]
 
 
-def _attend_fwd(q_BGRLK, k_BGSK, v_BGSK, mask_BLS, bias_BGRLS):
+def _attend_fwd(q_BGRLK, k_BGSK, v_BGSK, mask_BLS, bias_BGRLS, sink_GR):
   s_BGRLS = _logits(q_BGRLK, k_BGSK, mask_BLS, bias_BGRLS)
   m_BGRL1 = s_BGRLS.max(axis=-1, keepdims=True)
+  if sink_GR is not None:
+    m_BGRL1 = jnp.maximum(m_BGRL1, sink_GR[None, :, :, None, None])
   # A row whose every key is masked (its max is NEG) gets e = 0: zero output, zero gradients.
   e_BGRLS = jnp.where(m_BGRL1 > NEG, jnp.exp(s_BGRLS - m_BGRL1), 0.0)
   l_BGRL = e_BGRLS.sum(axis=-1)
+  if sink_GR is not None:  # with a sink, a row with every key masked has l = e_sink = 1, o = 0
+    esink_BGRL = jnp.exp(sink_GR[None, :, :, None] - m_BGRL1[..., 0])
+    l_BGRL = l_BGRL + esink_BGRL
   ev_BGRLK = _merge_rows(jnp.einsum)("bgms,bgsk->bgmk", e_BGRLS.astype(v_BGSK.dtype), v_BGSK)
   l_BGRL = jnp.where(l_BGRL == 0.0, 1.0, l_BGRL)
   o_BGRLK = ev_BGRLK / l_BGRL[..., None]
   has_bias = None if bias_BGRLS is None else ()  # structure only: no array kept
-  return o_BGRLK, (q_BGRLK, k_BGSK, v_BGSK, e_BGRLS, l_BGRL, o_BGRLK, has_bias)
+  psink_BGRL = None if sink_GR is None else esink_BGRL / l_BGRL
+  return o_BGRLK, (q_BGRLK, k_BGSK, v_BGSK, e_BGRLS, l_BGRL, o_BGRLK, has_bias, psink_BGRL)
 
 
 def _attend_bwd(residuals, do_BGRLK):
-  q_BGRLK, k_BGSK, v_BGSK, e_BGRLS, l_BGRL, o_BGRLK, has_bias = residuals
+  q_BGRLK, k_BGSK, v_BGSK, e_BGRLS, l_BGRL, o_BGRLK, has_bias, psink_BGRL = residuals
   B, G, R, L, K = q_BGRLK.shape
   scale = 1.0 / math.sqrt(K)
   r_BGRL1 = (1.0 / l_BGRL)[..., None]
@@ -220,9 +248,12 @@ def _attend_bwd(residuals, do_BGRLK):
     (do_BGRLK * r_BGRL1).reshape(B, G, M, K).astype(v_BGSK.dtype),
     preferred_element_type=jnp.float32,
   )  # fmt: skip
+  dsink_GR = None
+  if psink_BGRL is not None:  # -sum over batch and rows of p_sink (do . o)
+    dsink_GR = -jnp.sum(psink_BGRL * delta_BGRL1[..., 0], axis=(0, 3))
   return (
     (dq_BGRLK * scale).astype(q_BGRLK.dtype), (dk_BGSK * scale).astype(k_BGSK.dtype),
-    dv_BGSK.astype(v_BGSK.dtype), None, None if has_bias is None else ds_BGRLS,
+    dv_BGSK.astype(v_BGSK.dtype), None, None if has_bias is None else ds_BGRLS, dsink_GR,
   )  # fmt: skip
 
 
@@ -247,6 +278,7 @@ def chunked_attention(
   dropout_key: jax.Array | None = None,
   block: int = 512,
   global_tokens: int = 0,
+  sink_H: jax.Array | None = None,
 ):
   """Blockwise online-softmax kernel: memory O(L * block), any L and S.
 
@@ -260,7 +292,8 @@ def chunked_attention(
   rematerialised, so gradients store only the inputs of each query block rather than every
   block's scores. Attention dropout drops the unnormalised block probabilities with a key folded
   from (query block, key block); the denominator is not dropped, which equals dropping the
-  normalised probabilities.
+  normalised probabilities. Sink logits (`sink_H`) start each query block's running max and sum
+  (`online_softmax_init`).
 
   Windowed self-attention without global tokens visits only the key blocks inside the window
   (`roformer.nn.attention.banded`): O(L * w) time instead of a scan over every key block.
@@ -281,7 +314,7 @@ def chunked_attention(
       return banded.banded_attention(
         q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS, qseg_BL=qseg_BL, kseg_BS=kseg_BS,
         causal=causal, window=window, window_kind=window_kind, bias_fn=bias_fn,
-        dropout_rate=dropout_rate, dropout_key=dropout_key, block=block,
+        dropout_rate=dropout_rate, dropout_key=dropout_key, block=block, sink_H=sink_H,
       )  # fmt: skip
   R = H // G
   bq, bk = min(block, L), min(block, S)
@@ -320,7 +353,7 @@ def chunked_attention(
       # A key block no query of this block may see is skipped.
       return jax.lax.cond(mask_B11qk.any(), update, lambda c: c, carry), None
 
-    init = online_softmax_init(B, G, R, bq, K)
+    init = online_softmax_init(B, G, R, bq, K, sinks.grouped(sink_H, G))
     carry, _ = jax.lax.scan(jax.checkpoint(key_block), init, k_xs)
     return online_softmax_output(carry, q_BLHK.dtype)
 

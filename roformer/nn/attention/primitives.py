@@ -134,12 +134,16 @@ def split_blocks(x_BT, block, value=0):
 # logits, l_BGRq running sum of exp(logit - m), acc_BGRqK running sum of exp(logit - m) v).
 
 
-def online_softmax_init(B: int, G: int, R: int, bq: int, K: int) -> tuple:
-  return (
-    jnp.full((B, G, R, bq), NEG, jnp.float32),
-    jnp.zeros((B, G, R, bq), jnp.float32),
-    jnp.zeros((B, G, R, bq, K), jnp.float32),
-  )
+def online_softmax_init(B: int, G: int, R: int, bq: int, K: int, sink_GR=None) -> tuple:
+  """The carry before any key block: nothing seen (max NEG, sums 0), or with sink logits
+  [G, R] (`sinks.py`) the sink seen as a key with no value (max the sink, sum exp(0) = 1)."""
+  if sink_GR is None:
+    m_BGRq = jnp.full((B, G, R, bq), NEG, jnp.float32)
+    l_BGRq = jnp.zeros((B, G, R, bq), jnp.float32)
+  else:
+    m_BGRq = jnp.broadcast_to(sink_GR.astype(jnp.float32)[None, :, :, None], (B, G, R, bq))
+    l_BGRq = jnp.ones((B, G, R, bq), jnp.float32)
+  return m_BGRq, l_BGRq, jnp.zeros((B, G, R, bq, K), jnp.float32)
 
 
 def online_softmax_update(

@@ -18,6 +18,7 @@ from flax import nnx
 from roformer.nn.attention import kv_cache
 from roformer.nn.attention.kernels import KERNELS, dense_attention
 from roformer.nn.attention.qk_norm import l2_norm, qk_norm_layers
+from roformer.nn.attention.sinks import sink_param
 from roformer.nn.layers import tokens
 from roformer.posenc import QueryScale, layer_configs
 from roformer.posenc.config import PosEncConfig
@@ -42,7 +43,8 @@ class Attention(nnx.Module):
   value.kernel [D, G, K], out.kernel [H, K, D] ('heads', 'kv', 'embed'); with `use_bias`,
   query.bias [H, K] and key/value.bias [G, K] ('heads', 'kv') and out.bias [D] ('embed',).
   `qkv_bias` (None = `use_bias`) sets the query/key/value biases alone, as Qwen2 has them
-  without an output bias.
+  without an output bias. With `attention_sinks`, sinks [H] ('heads',): one learned sink logit
+  per query head (sinks.py).
   """
 
   def __init__(
@@ -64,6 +66,7 @@ class Attention(nnx.Module):
     qk_norm: str = "none",
     norm_eps: float = 1e-6,
     query_scale: PosEncConfig | None = None,
+    attention_sinks: bool = False,
     dtype=jnp.float32,
     param_dtype=jnp.float32,
     rngs: nnx.Rngs,
@@ -117,6 +120,7 @@ class Attention(nnx.Module):
       if query_scale is None or query_scale.query_scale == "none"
       else QueryScale(query_scale, num_heads=H, param_dtype=param_dtype, rngs=rngs)
     )
+    self.sinks = sink_param(H, param_dtype, rngs) if attention_sinks else None
 
   @classmethod
   def from_config(
@@ -132,8 +136,8 @@ class Attention(nnx.Module):
       dropout_rate=cfg.dropout_rate, impl=cfg.attention_impl,
       block=cfg.attention_block, window=window, window_kind=cfg.attention_window_kind,
       global_tokens=cfg.global_tokens, qk_norm=cfg.qk_norm if normed else "none",
-      norm_eps=cfg.norm_eps, query_scale=layer_posenc, dtype=dtype, param_dtype=param_dtype,
-      rngs=rngs,
+      norm_eps=cfg.norm_eps, query_scale=layer_posenc, attention_sinks=cfg.attention_sinks,
+      dtype=dtype, param_dtype=param_dtype, rngs=rngs,
     )  # fmt: skip
 
   @classmethod
@@ -197,6 +201,7 @@ class Attention(nnx.Module):
     """
     q_BLHK, k_BLGK, v_BLGK = self.qkv(x_BLD)
     q_BLHK, k_BLGK = self._encode(q_BLHK, k_BLGK, pos_BL, posenc, rotary_state)
+    sink_H = None if self.sinks is None else self.sinks[...]
     if cache is not None:
       cache = kv_cache.KVCache(
         kv_cache.write(cache.k_BCGK, k_BLGK, pos_BL),
@@ -207,7 +212,7 @@ class Attention(nnx.Module):
         o_BLHK = dense_attention(
           q_BLHK, cache.k_BCGK, cache.v_BCGK, pos_BL, kpos_BC, qseg_BL=jnp.zeros_like(pos_BL),
           kseg_BS=kseg_BC, causal=True, window=self.window, window_kind=self.window_kind,
-          bias_fn=posenc.bias,
+          bias_fn=posenc.bias, sink_H=sink_H,
         )  # fmt: skip
         return o_BLHK, cache
     o_BLHK = KERNELS[self.impl](
@@ -227,6 +232,7 @@ class Attention(nnx.Module):
       dropout_key=dropout_key,
       block=self.block,
       global_tokens=self.global_tokens,
+      sink_H=sink_H,
     )
     return o_BLHK, cache
 
