@@ -35,6 +35,8 @@ VARIANTS = {
                      "posenc.scaling.factor": 2.0},
   "sinks_chunked_window": {"model.attention_sinks": True, "model.attention_impl": "chunked",
                            "model.attention_block": 8, "model.attention_window_pattern": "4,0"},
+  "fox": {"model.forget_gate": True, "posenc.kind": "nope", "model.attention_impl": "chunked",
+          "model.attention_block": 8},
 }  # fmt: skip
 
 

@@ -16,6 +16,7 @@ from roformer.nn.attention.primitives import (
   NEG,
   BiasFn,
   ContentBiasFn,
+  add_key_bias,
   attention_mask,
   check_ranks,
   dropout,
@@ -47,6 +48,7 @@ def dense_attention(
   block: int = 512,
   global_tokens: int = 0,
   sink_H: jax.Array | None = None,
+  key_bias_BSH: jax.Array | None = None,
 ):
   """Reference kernel: materialises the [L, S] scores, fp32 softmax.
 
@@ -67,6 +69,8 @@ def dense_attention(
     block: unused (kept so every kernel has the same signature).
     global_tokens: see `attention_mask`.
     sink_H: per query head sink logits [H] (`sinks.py`), or None for none.
+    key_bias_BSH: a bias per key and query head [B, S, H] added to the logits (the forget gate's
+      -c_j, `forget_gate.py`), or None.
 
   Returns:
     [B, L, H, K] in the dtype of q. A query with no allowed key gets zeros.
@@ -97,6 +101,8 @@ def dense_attention(
         window_kind=window_kind, global_tokens=global_tokens,
       )  # fmt: skip
     bias_BHTE = None if bias_fn is None else bias_fn(qpos_BT, kpos_BE)
+    kbias_BEH = None if key_bias_BSH is None else key_bias_BSH[:, :keys]
+    bias_BHTE = add_key_bias(bias_BHTE, kbias_BEH, end - start)
     if content_bias_fn is not None:  # one span: the whole [L, S]
       content_BHLS = content_bias_fn(q_BLHK, k_BSGK, mask_BTE)
       bias_BHTE = content_BHLS if bias_BHTE is None else bias_BHTE + content_BHLS
@@ -279,6 +285,7 @@ def chunked_attention(
   block: int = 512,
   global_tokens: int = 0,
   sink_H: jax.Array | None = None,
+  key_bias_BSH: jax.Array | None = None,
 ):
   """Blockwise online-softmax kernel: memory O(L * block), any L and S.
 
@@ -315,6 +322,7 @@ def chunked_attention(
         q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS, qseg_BL=qseg_BL, kseg_BS=kseg_BS,
         causal=causal, window=window, window_kind=window_kind, bias_fn=bias_fn,
         dropout_rate=dropout_rate, dropout_key=dropout_key, block=block, sink_H=sink_H,
+        key_bias_BSH=key_bias_BSH,
       )  # fmt: skip
   R = H // G
   bq, bk = min(block, L), min(block, S)
@@ -324,8 +332,9 @@ def chunked_attention(
     kseg_BS = jnp.zeros((B, S), jnp.int32)
   # Padded keys are excluded by `kvalid`.
   kvalid_BS = jnp.ones((B, S), bool)
+  kbias = () if key_bias_BSH is None else (key_bias_BSH,)  # scanned only when there is one
   k_xs = (jnp.arange(nk),) + tuple(
-    split_blocks(x, bk) for x in (k_BSGK, v_BSGK, kpos_BS, kseg_BS, kvalid_BS)
+    split_blocks(x, bk) for x in (k_BSGK, v_BSGK, kpos_BS, kseg_BS, kvalid_BS, *kbias)
   )
 
   @jax.checkpoint
@@ -333,7 +342,7 @@ def chunked_attention(
     q_BqGRK = split_heads(q_BqHK, G)
 
     def key_block(carry, k_args):
-      ki, k_BkGK, v_BkGK, kpos_Bk, kseg_Bk, kvalid_Bk = k_args
+      ki, k_BkGK, v_BkGK, kpos_Bk, kseg_Bk, kvalid_Bk, *kbias_BkH = k_args
       mask_BqBk = attention_mask(
         qpos_Bq, kpos_Bk, qseg_Bq, kseg_Bk, causal=causal, window=window,
         window_kind=window_kind, global_tokens=global_tokens,
@@ -342,6 +351,7 @@ def chunked_attention(
 
       def update(carry):
         bias = None if bias_fn is None else bias_fn(qpos_Bq, kpos_Bk)
+        bias = add_key_bias(bias, kbias_BkH[0] if kbias_BkH else None, bq)
         key = None
         if dropout_key is not None:
           key = jax.random.fold_in(jax.random.fold_in(dropout_key, qi), ki)

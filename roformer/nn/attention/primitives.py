@@ -102,6 +102,17 @@ def scores(q_BLGRK, k_BSGK, bias_BHLS):
   return s_BGRLS
 
 
+def add_key_bias(bias_BHLS, key_bias_BSH, length: int):
+  """The positional bias (or None) plus a bias per key [B, S, H] (the forget gate's -c_j),
+  broadcast over `length` queries: float32 [B, H, L, S], or `bias_BHLS` when there is none."""
+  if key_bias_BSH is None:
+    return bias_BHLS
+  B, S, H = key_bias_BSH.shape
+  kb_BH1S = key_bias_BSH.astype(jnp.float32).transpose(0, 2, 1)[:, :, None, :]
+  kb_BHLS = jnp.broadcast_to(kb_BH1S, (B, H, length, S))
+  return kb_BHLS if bias_BHLS is None else bias_BHLS + kb_BHLS
+
+
 def dropout(x, rate, key):
   """Inverted dropout; identity when `key` is None or `rate` is 0."""
   if key is None or rate == 0.0:
