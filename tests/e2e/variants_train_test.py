@@ -35,7 +35,7 @@ VARIANTS = {
                      "posenc.scaling.factor": 2.0},
   "sinks_chunked_window": {"model.attention_sinks": True, "model.attention_impl": "chunked",
                            "model.attention_block": 8, "model.attention_window_pattern": "4,0"},
-  "fox": {"model.forget_gate": True, "posenc.kind": "nope", "model.attention_impl": "chunked",
+  "fox": {"config": "configs/fox.py", "model.attention_impl": "chunked",
           "model.attention_block": 8},
 }  # fmt: skip
 
