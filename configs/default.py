@@ -109,6 +109,13 @@ def get_config() -> ml_collections.ConfigDict:
   model.qk_norm = "none"
   # Kinds of posenc.layer_pattern whose layers apply qk_norm ("" = every layer; Llama 4: "rope").
   model.qk_norm_kinds = ""
+  # A learned sink logit per query head that joins the softmax denominator as a key with no value
+  # (gpt-oss), so a head can attend to nothing. Softmax attention only; every kernel and the cache.
+  model.attention_sinks = False
+  # FoX (Forgetting Transformer): a forget gate per head from the layer input whose cumulative
+  # log-sigmoid sums bias the logits (c_i - c_j). Decoders, softmax attention; the paper runs it
+  # with posenc.kind="nope". Every kernel and the cache.
+  model.forget_gate = False
 
   # ---- posenc: the positional encoding (one field picks it; every kind's fields are here) ----
   config.posenc = posenc = ml_collections.ConfigDict()

@@ -94,7 +94,9 @@ def test_default_config_every_field_has_comment_and_typed_default():
   assert assignments > 60
 
 
-@pytest.mark.parametrize("name", ["default", "lm", "mlm", "quickstart", "irope", "rnope_swa"])
+@pytest.mark.parametrize(
+  "name", ["default", "lm", "mlm", "quickstart", "irope", "rnope_swa", "fox"]
+)
 def test_config_files_are_locked_and_valid(name):
   config = importlib.import_module(f"configs.{name}").get_config()
   with pytest.raises(AttributeError):

@@ -79,6 +79,12 @@ def test_cached_generation_equals_full_forward_for_softmax_variants(fields):
           qk_norm="l2", qk_norm_kinds="rope")),  # iRoPE
     ("rope", dict(query_scale="logn", query_scale_len=4), dict(qk_norm="rmsnorm")),
     ("rope", dict(query_scale="ssmax"), dict(attention_impl="chunked", attention_block=2)),
+    ("rope", {}, dict(attention_sinks=True)),
+    ("alibi", {}, dict(attention_sinks=True, attention_window_pattern="3,0",
+                       attention_impl="chunked", attention_block=2)),  # ring buffer, banded
+    ("nope", {}, dict(forget_gate=True)),  # FoX: c continued from the cache
+    ("rope", {}, dict(forget_gate=True, attention_window_pattern="3,0",
+                      attention_impl="chunked", attention_block=2)),
   ],
 )  # fmt: skip
 def test_cached_generation_equals_full_forward_for_per_layer_encodings_qk_norm_and_temperature(

@@ -80,6 +80,8 @@ class ModelConfig:
   qk_rope_head_dim: int = 0  # mla: width of the rotary key shared by all heads
   qk_norm: str = "none"  # none | rmsnorm (per head, before RoPE) | l2 (after RoPE, Llama 4)
   qk_norm_kinds: str = ""  # kinds of posenc.layer_pattern whose layers normalise; "" = all
+  attention_sinks: bool = False  # a learned sink logit per query head (gpt-oss)
+  forget_gate: bool = False  # FoX: a per-head forget gate decaying the logits (decoders)
   posenc: PosEncConfig = PosEncConfig()
 
   def __post_init__(self):
@@ -182,6 +184,7 @@ def validate_model(cfg: ModelConfig) -> None:
       f"posenc.extension.kind={cfg.posenc.extension.kind!r} remaps positions inside the softmax "
       f"attention kernels; model.attention={cfg.attention!r} does not honour it"
     )
+  _check_forget_gate(cfg)
   attention = ATTENTIONS[cfg.attention]
   if cfg.posenc.kind in POSENCS and not (
     has_pattern(cfg.posenc) and parse_error(cfg.posenc, POSENCS)
@@ -228,13 +231,36 @@ def _check_per_layer(cfg: ModelConfig) -> None:
       "posenc.layer_pattern / posenc.max_wavelength_pattern give layers different encodings, "
       "which model.scan_layers=True (one stacked block) cannot; set one of them off"
     )
-  for field, value in (("model.qk_norm", cfg.qk_norm), ("posenc.query_scale",
-                        cfg.posenc.query_scale)):  # fmt: skip
-    if value != "none" and cfg.attention != "softmax":
+  for field, value, off in (
+    ("model.qk_norm", cfg.qk_norm, "none"),
+    ("posenc.query_scale", cfg.posenc.query_scale, "none"),
+    ("model.attention_sinks", cfg.attention_sinks, False),
+    ("model.forget_gate", cfg.forget_gate, False),
+  ):
+    if value != off and cfg.attention != "softmax":
       raise ValueError(
         f"{field}={value!r} is implemented by softmax attention only, not "
-        f"model.attention={cfg.attention!r}; set it to 'none' or model.attention='softmax'"
+        f"model.attention={cfg.attention!r}; set it to {off!r} or model.attention='softmax'"
       )
+
+
+def _check_forget_gate(cfg: ModelConfig) -> None:
+  if cfg.forget_gate and cfg.kind != "decoder":
+    raise ValueError(
+      "model.forget_gate=True decays the logits by the gates between a key and a later query "
+      "(FoX), which needs a causal decoder (model.kind='decoder')"
+    )
+  if cfg.forget_gate and cfg.attention_sinks:
+    raise ValueError(
+      "model.forget_gate=True and model.attention_sinks=True cannot be combined: the kernels "
+      "drop the forget gate's per-query term, which a sink logit would no longer cancel; set "
+      "one of them False"
+    )
+  if cfg.forget_gate and cfg.posenc.extension.kind != "none":
+    raise ValueError(
+      f"model.forget_gate=True and posenc.extension.kind={cfg.posenc.extension.kind!r} cannot "
+      "be combined: the forget gate's running sums follow the tokens, not the remapped positions"
+    )
 
 
 def _check_windows(cfg: ModelConfig) -> None:

@@ -33,6 +33,10 @@ VARIANTS = {
                        "posenc.max_wavelength_pattern": "10000,1000000"},
   "resonance_yarn": {"posenc.rope_resonance": True, "posenc.scaling.kind": "yarn",
                      "posenc.scaling.factor": 2.0},
+  "sinks_chunked_window": {"model.attention_sinks": True, "model.attention_impl": "chunked",
+                           "model.attention_block": 8, "model.attention_window_pattern": "4,0"},
+  "fox": {"config": "configs/fox.py", "model.attention_impl": "chunked",
+          "model.attention_block": 8},
 }  # fmt: skip
 
 

@@ -92,16 +92,19 @@ print("SPECS " + json.dumps(specs))
 """
 
 
-# Per-layer encodings with chunked windows, QK-norm's learned scales and SSMax's per-head s.
+# Per-layer encodings with chunked windows, QK-norm's learned scales, SSMax's per-head s and
+# the per-head sink logits.
 _FRONTIER = {
   "posenc.layer_pattern": "rope,nope", "model.attention_window_pattern": "8,0",
   "model.attention_window_kind": "chunked", "model.qk_norm": "rmsnorm",
-  "posenc.query_scale": "ssmax",
+  "posenc.query_scale": "ssmax", "model.attention_sinks": True,
 }  # fmt: skip
+# FoX's forget gate (which refuses sinks, so a run of its own).
+_FOX = {"model.forget_gate": True, "posenc.kind": "nope"}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("options", [{}, _FRONTIER], ids=["default", "frontier"])
+@pytest.mark.parametrize("options", [{}, _FRONTIER, _FOX], ids=["default", "frontier", "fox"])
 def test_sharded_training_matches_one_device(tmp_path, options):
   overrides = {"train.num_train_steps": 20, "train.checkpoint_every_steps": 0, **options}
   single = testing.run_train(tmp_path / "single", overrides, devices=1)
@@ -123,9 +126,13 @@ def test_sharded_training_matches_one_device(tmp_path, options):
   assert specs[f"opt_state/1/0/mu/{kernel}"] == specs[kernel]
   assert specs["layers/0/attn/query/kernel"] == "P('fsdp', 'tensor', None)"
   assert specs["embed/embedding"] == "P(None, 'fsdp')"  # 261 rows: uneven over tensor
-  if options:  # one s per head, split with the heads; QK-norm scales span 'kv', replicated
-    assert specs["layers/0/attn/query_scale/s"] == "P('tensor',)"
+  if options == _FRONTIER:  # one s and sink per head, split with the heads; QK-norm scales span
+    assert specs["layers/0/attn/query_scale/s"] == "P('tensor',)"  # 'kv', replicated
+    assert specs["layers/0/attn/sinks"] == "P('tensor',)"
     assert specs["layers/0/attn/query_norm/scale"] == "P(None,)"
+  if options == _FOX:  # the gate's [D, H] kernel as the query kernel's first two axes
+    assert specs["layers/0/attn/forget_gate/proj/kernel"] == "P('fsdp', 'tensor')"
+    assert specs["layers/0/attn/forget_gate/proj/bias"] == "P('tensor',)"
 
   single_train, single_eval = testing.read_metrics(tmp_path / "single")
   sharded_train, sharded_eval = testing.read_metrics(tmp_path / "sharded")

@@ -473,9 +473,17 @@ def _stacked_like_unrolled(unrolled, scan_cfg):
   return nnx.merge(graphdef, state)
 
 
-@pytest.mark.parametrize("kind, remat", [("encoder", "none"), ("decoder", "full")])
-def test_scan_layers_matches_unrolled_blocks_with_dropout(kind, remat):
-  cfg = _cfg(kind, num_layers=3, dropout_rate=0.2, attention_impl="dense")
+@pytest.mark.parametrize(
+  "kind, remat, fields",
+  [
+    ("encoder", "none", {}),
+    ("decoder", "full", {}),
+    ("decoder", "block", dict(attention_sinks=True)),  # stacked sinks [layers, H]
+    ("decoder", "full", dict(forget_gate=True)),  # stacked gates
+  ],
+)
+def test_scan_layers_matches_unrolled_blocks_with_dropout(kind, remat, fields):
+  cfg = _cfg(kind, num_layers=3, dropout_rate=0.2, attention_impl="dense", **fields)
   unrolled = _model(cfg)
   scanned = _stacked_like_unrolled(
     unrolled, dataclasses.replace(cfg, scan_layers=True, remat=remat)

@@ -1,5 +1,6 @@
-"""The per-layer encodings, QK-norms, query temperatures and Resonance RoPE give the same logits
-in the chunked kernel (and its banded path under windows) as in the dense one."""
+"""The per-layer encodings, QK-norms, query temperatures, Resonance RoPE, attention sinks and FoX's
+forget gate give the same logits in the chunked kernel (and its banded path under windows) as in
+the dense one."""
 
 import numpy as np
 import pytest
@@ -20,6 +21,10 @@ OPTIONS = [
         qk_norm="l2", qk_norm_kinds="rope")),  # iRoPE
   ("rope", dict(layer_pattern="rope,rope,nope"),
    dict(num_layers=3, attention_window_pattern="5,5,0")),  # RNoPE-SWA
+  ("rope", {}, dict(attention_sinks=True)),
+  ("alibi", {}, dict(attention_sinks=True, attention_window_pattern="5,0")),  # banded + chunked
+  ("nope", {}, dict(forget_gate=True)),  # FoX as the paper runs it
+  ("alibi", {}, dict(forget_gate=True, attention_window_pattern="5,0")),
 ]  # fmt: skip
 
 

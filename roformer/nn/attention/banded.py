@@ -17,7 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from roformer.nn.attention import primitives
+from roformer.nn.attention import primitives, sinks
 
 
 def visited_blocks(length: int, block: int, window: int, causal: bool) -> int:
@@ -44,6 +44,8 @@ def banded_attention(
   dropout_rate: float = 0.0,
   dropout_key=None,
   block: int = 512,
+  sink_H=None,
+  key_bias_BSH=None,
 ):
   """Self-attention (S = L) under a sliding window w > 0; arguments as `chunked_attention`.
 
@@ -62,9 +64,10 @@ def banded_attention(
   if qseg_BL is None:
     qseg_BL = kseg_BS = jnp.zeros((B, L), jnp.int32)
   # [nb, B, b, ...]; padded keys are excluded by `kvalid`.
+  kbias = () if key_bias_BSH is None else (key_bias_BSH,)  # sliced only when there is one
   k_blocks = tuple(
     primitives.split_blocks(x, b)
-    for x in (k_BLGK, v_BLGK, kpos_BL, kseg_BS, jnp.ones((B, L), bool))
+    for x in (k_BLGK, v_BLGK, kpos_BL, kseg_BS, jnp.ones((B, L), bool), *kbias)
   )
 
   @jax.checkpoint
@@ -75,7 +78,7 @@ def banded_attention(
     def key_block(carry, j):
       ki = first + j
       inside = (ki >= 0) & (ki < nb)
-      k_BbGK, v_BbGK, kpos_Bb, kseg_Bb, kvalid_Bb = (
+      k_BbGK, v_BbGK, kpos_Bb, kseg_Bb, kvalid_Bb, *kbias_BbH = (
         jax.lax.dynamic_index_in_dim(x, jnp.clip(ki, 0, nb - 1), 0, keepdims=False)
         for x in k_blocks
       )
@@ -84,6 +87,7 @@ def banded_attention(
       )
       mask_B11bb = (mask_BbBb & kvalid_Bb[:, None, :] & inside)[:, None, None]
       bias = None if bias_fn is None else bias_fn(qpos_Bb, kpos_Bb)
+      bias = primitives.add_key_bias(bias, kbias_BbH[0] if kbias_BbH else None, b)
       key = None
       if dropout_key is not None:
         key = jax.random.fold_in(jax.random.fold_in(dropout_key, qi), ki)
@@ -93,7 +97,7 @@ def banded_attention(
       )  # fmt: skip
       return carry, None
 
-    init = primitives.online_softmax_init(B, G, R, b, K)
+    init = primitives.online_softmax_init(B, G, R, b, K, sinks.grouped(sink_H, G))
     carry, _ = jax.lax.scan(jax.checkpoint(key_block), init, jnp.arange(n_visit))
     return primitives.online_softmax_output(carry, q_BLHK.dtype)
 

@@ -11,7 +11,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from roformer.nn.attention import banded
+from roformer.nn.attention import banded, sinks
 from roformer.nn.attention.piecewise import pieces_cover, piecewise_scores
 from roformer.nn.attention.primitives import (
   NEG,
@@ -19,6 +19,7 @@ from roformer.nn.attention.primitives import (
   ContentBiasFn,
   PiecesFn,
   RotateFn,
+  add_key_bias,
   attention_mask,
   check_ranks,
   dropout,
@@ -52,6 +53,8 @@ def dense_attention(
   global_tokens: int = 0,
   pieces_fn: PiecesFn | None = None,
   rotate_fn: RotateFn | None = None,
+  sink_H: jax.Array | None = None,
+  key_bias_BSH: jax.Array | None = None,
 ):
   """Reference kernel: materialises the [L, S] scores, fp32 softmax.
 
@@ -74,6 +77,9 @@ def dense_attention(
     pieces_fn, rotate_fn: piecewise positions (`roformer.nn.attention.piecewise`): q and k come
       unrotated, each pair's logit is that of the piece covering it under `rotate_fn`, and
       pairs no piece covers are masked. None: q and k come rotated.
+    sink_H: per query head sink logits [H] (`sinks.py`), or None for none.
+    key_bias_BSH: a bias per key and query head [B, S, H] added to the logits (the forget gate's
+      -c_j, `forget_gate.py`), or None.
 
   Returns:
     [B, L, H, K] in the dtype of q. A query with no allowed key gets zeros.
@@ -89,6 +95,7 @@ def dense_attention(
   # them into a transposed layout, in the forward pass and again in the backward pass.
   q_BGRLK = q_BLHK.reshape(B, L, G, H // G, K).transpose(0, 2, 3, 1, 4)
   k_BGSK, v_BGSK = k_BSGK.transpose(0, 2, 1, 3), v_BSGK.transpose(0, 2, 1, 3)
+  sink_GR = sinks.grouped(sink_H, G)
   spans = [(0, L, S)]
   if causal and S == L and content_bias_fn is None and (dropout_key is None or not dropout_rate):
     spans = causal_query_blocks(L)
@@ -103,13 +110,15 @@ def dense_attention(
         window_kind=window_kind, global_tokens=global_tokens,
       )  # fmt: skip
     bias_BHTE = None if bias_fn is None else bias_fn(qpos_BT, kpos_BE)
+    kbias_BEH = None if key_bias_BSH is None else key_bias_BSH[:, :keys]
+    bias_BHTE = add_key_bias(bias_BHTE, kbias_BEH, end - start)
     if content_bias_fn is not None:  # one span: the whole [L, S]
       content_BHLS = content_bias_fn(q_BLHK, k_BSGK, mask_BTE)
       bias_BHTE = content_BHLS if bias_BHTE is None else bias_BHTE + content_BHLS
     if pieces_fn is None:
       o_BGRTK = _softmax_attention(
         q_BGRLK[:, :, :, start:end], k_BGSK[:, :, :keys], v_BGSK[:, :, :keys], mask_BTE,
-        bias_BHTE, dropout_rate, dropout_key,
+        bias_BHTE, sink_GR, dropout_rate, dropout_key,
       )  # fmt: skip
     else:
       s_BGRTE, covered_BTE = piecewise_scores(
@@ -117,7 +126,9 @@ def dense_attention(
         pieces_fn=pieces_fn, rotate_fn=rotate_fn,
       )  # fmt: skip
       mask_BTE = mask_BTE & covered_BTE
-      o_BGRTK = _softmax_values(s_BGRTE, v_BGSK[:, :, :keys], mask_BTE, dropout_rate, dropout_key)
+      o_BGRTK = _softmax_values(
+        s_BGRTE, v_BGSK[:, :, :keys], mask_BTE, sink_GR, dropout_rate, dropout_key
+      )
     if masked:  # a query with no allowed key gets zeros (as in `chunked`), not the mean of v
       o_BGRTK = jnp.where(mask_BTE.any(axis=-1)[:, None, None, :, None], o_BGRTK, 0.0)
     o_blocks.append(o_BGRTK)
@@ -147,9 +158,11 @@ def causal_query_blocks(length: int) -> list[tuple[int, int, int]]:
   return [(s, min(s + size, length), min(s + size, length)) for s in range(0, length, size)]
 
 
-def _softmax_attention(q_BGRLK, k_BGSK, v_BGSK, mask_BLS, bias_BHLS, dropout_rate, dropout_key):
+def _softmax_attention(
+  q_BGRLK, k_BGSK, v_BGSK, mask_BLS, bias_BHLS, sink_GR, dropout_rate, dropout_key
+):
   """softmax(q k / sqrt(K) + bias, masked) v over heads-first operands: [B, G, R, L, K] (fp32
-  scores and softmax)."""
+  scores and softmax), with the sink logits [G, R] (or None) in every row's denominator."""
   B, G, R, L, K = q_BGRLK.shape
   S = k_BGSK.shape[2]
   bias_BGRLS = None
@@ -157,20 +170,29 @@ def _softmax_attention(q_BGRLK, k_BGSK, v_BGSK, mask_BLS, bias_BHLS, dropout_rat
     bias_BGRLS = bias_BHLS.astype(jnp.float32).reshape(-1, G, R, L, S)
     bias_BGRLS = jnp.broadcast_to(bias_BGRLS, (B, G, R, L, S))
   if dropout_key is None or not dropout_rate:
-    return _attend(q_BGRLK, k_BGSK, v_BGSK, mask_BLS, bias_BGRLS)
+    return _attend(q_BGRLK, k_BGSK, v_BGSK, mask_BLS, bias_BGRLS, sink_GR)
   s_BGRLS = _logits(q_BGRLK, k_BGSK, None, bias_BGRLS)
-  return _softmax_values(s_BGRLS, v_BGSK, mask_BLS, dropout_rate, dropout_key)
+  return _softmax_values(s_BGRLS, v_BGSK, mask_BLS, sink_GR, dropout_rate, dropout_key)
 
 
-def _softmax_values(s_BGRLS, v_BGSK, mask_BLS, dropout_rate, dropout_key):
-  """softmax(masked logits [B, G, R, L, S]) v, heads first: [B, G, R, L, K] (fp32 softmax), by
-  autodiff: for attention dropout and for logits merged from piecewise positions."""
+def _softmax_values(s_BGRLS, v_BGSK, mask_BLS, sink_GR, dropout_rate, dropout_key):
+  """softmax(masked logits [B, G, R, L, S], the sink in the denominator) v, heads first:
+  [B, G, R, L, K] (fp32 softmax), by autodiff: for attention dropout and for logits merged from
+  piecewise positions."""
   if mask_BLS is not None:
     s_BGRLS = jnp.where(mask_BLS[:, None, None], s_BGRLS, NEG)
-  # fp32 softmax for stability. jax.nn.softmax's custom JVP keeps the backward pass to one
-  # reduction; a masked key gets exp(NEG - max) = 0 exactly unless its whole row is masked.
-  p_BGRLS = dropout(jax.nn.softmax(s_BGRLS, axis=-1), dropout_rate, dropout_key)
+  p_BGRLS = dropout(_probabilities(s_BGRLS, sink_GR), dropout_rate, dropout_key)
   return _merge_rows(jnp.einsum)("bgms,bgsk->bgmk", p_BGRLS.astype(v_BGSK.dtype), v_BGSK)
+
+
+def _probabilities(s_BGRLS, sink_GR):
+  """Softmax over the keys, the sink (if any) one more term of the denominator."""
+  if sink_GR is None:
+    return jax.nn.softmax(s_BGRLS, axis=-1)
+  sink_1GR11 = sink_GR[None, :, :, None, None]
+  m_BGRL1 = jnp.maximum(s_BGRLS.max(axis=-1, keepdims=True), sink_1GR11)
+  e_BGRLS = jnp.exp(s_BGRLS - m_BGRL1)
+  return e_BGRLS / (e_BGRLS.sum(axis=-1, keepdims=True) + jnp.exp(sink_1GR11 - m_BGRL1))
 
 
 def _merge_rows(einsum):
@@ -199,7 +221,7 @@ def _logits(q_BGRLK, k_BGSK, mask_BLS, bias_BGRLS):
 
 
 @jax.custom_vjp
-def _attend(q_BGRLK, k_BGSK, v_BGSK, mask_BLS, bias_BGRLS):
+def _attend(q_BGRLK, k_BGSK, v_BGSK, mask_BLS, bias_BGRLS, sink_GR=None):
   """softmax attention without dropout, with a hand-written backward pass.
 
   The forward pass normalises after the probability-value product (o = (e v) / l with
@@ -208,26 +230,39 @@ def _attend(q_BGRLK, k_BGSK, v_BGSK, mask_BLS, bias_BGRLS):
   [L, S] scores, and needs no mask (e is exactly 0 where masked). Equal to jax.nn.softmax's
   forward and gradients to float32 rounding, except that a row with every key masked gives
   zeros (as `dense_attention` returns for it) rather than uniform weights.
+
+  With sink logits sink_GR (`sinks.py`), the row max also covers the sink and l gains
+  exp(sink - max), a key with no value. Its gradient: o = (e v) / l depends on the sink only
+  through l, d l / d sink = exp(sink - max), so d o / d sink = -o p_sink with
+  p_sink = exp(sink - max) / l, and d loss / d sink = -sum over batch and rows of
+  p_sink (do . o), the same do . o that the logits' gradient uses. The logits' gradient keeps
+  its form, p (dp - do . o): the sink adds no term to sum_s p dp, having no value.
   """
-  return _attend_fwd(q_BGRLK, k_BGSK, v_BGSK, mask_BLS, bias_BGRLS)[0]
+  return _attend_fwd(q_BGRLK, k_BGSK, v_BGSK, mask_BLS, bias_BGRLS, sink_GR)[0]
 
 
-def _attend_fwd(q_BGRLK, k_BGSK, v_BGSK, mask_BLS, bias_BGRLS):
+def _attend_fwd(q_BGRLK, k_BGSK, v_BGSK, mask_BLS, bias_BGRLS, sink_GR):
   s_BGRLS = _logits(q_BGRLK, k_BGSK, mask_BLS, bias_BGRLS)
   m_BGRL1 = s_BGRLS.max(axis=-1, keepdims=True)
+  if sink_GR is not None:
+    m_BGRL1 = jnp.maximum(m_BGRL1, sink_GR[None, :, :, None, None])
   # A row whose every key is masked (its max is NEG) subtracts 0 instead: e = exp(NEG) = 0,
   # so it gives zero output and zero gradients (a per-row fix, not a pass over [L, S]).
   e_BGRLS = jnp.exp(s_BGRLS - jnp.where(m_BGRL1 > NEG, m_BGRL1, 0.0))
   l_BGRL = e_BGRLS.sum(axis=-1)
+  if sink_GR is not None:  # with a sink, a row with every key masked has l = e_sink = 1, o = 0
+    esink_BGRL = jnp.exp(sink_GR[None, :, :, None] - m_BGRL1[..., 0])
+    l_BGRL = l_BGRL + esink_BGRL
   ev_BGRLK = _merge_rows(jnp.einsum)("bgms,bgsk->bgmk", e_BGRLS.astype(v_BGSK.dtype), v_BGSK)
   l_BGRL = jnp.where(l_BGRL == 0.0, 1.0, l_BGRL)
   o_BGRLK = ev_BGRLK / l_BGRL[..., None]
   has_bias = None if bias_BGRLS is None else ()  # structure only: no array kept
-  return o_BGRLK, (q_BGRLK, k_BGSK, v_BGSK, e_BGRLS, l_BGRL, o_BGRLK, has_bias)
+  psink_BGRL = None if sink_GR is None else esink_BGRL / l_BGRL
+  return o_BGRLK, (q_BGRLK, k_BGSK, v_BGSK, e_BGRLS, l_BGRL, o_BGRLK, has_bias, psink_BGRL)
 
 
 def _attend_bwd(residuals, do_BGRLK):
-  q_BGRLK, k_BGSK, v_BGSK, e_BGRLS, l_BGRL, o_BGRLK, has_bias = residuals
+  q_BGRLK, k_BGSK, v_BGSK, e_BGRLS, l_BGRL, o_BGRLK, has_bias, psink_BGRL = residuals
   B, G, R, L, K = q_BGRLK.shape
   scale = 1.0 / math.sqrt(K)
   r_BGRL1 = (1.0 / l_BGRL)[..., None]
@@ -248,9 +283,12 @@ def _attend_bwd(residuals, do_BGRLK):
     (do_BGRLK * r_BGRL1).reshape(B, G, M, K).astype(v_BGSK.dtype),
     preferred_element_type=jnp.float32,
   )  # fmt: skip
+  dsink_GR = None
+  if psink_BGRL is not None:  # -sum over batch and rows of p_sink (do . o)
+    dsink_GR = -jnp.sum(psink_BGRL * delta_BGRL1[..., 0], axis=(0, 3))
   return (
     (dq_BGRLK * scale).astype(q_BGRLK.dtype), (dk_BGSK * scale).astype(k_BGSK.dtype),
-    dv_BGSK.astype(v_BGSK.dtype), None, None if has_bias is None else ds_BGRLS,
+    dv_BGSK.astype(v_BGSK.dtype), None, None if has_bias is None else ds_BGRLS, dsink_GR,
   )  # fmt: skip
 
 
@@ -277,6 +315,8 @@ def chunked_attention(
   global_tokens: int = 0,
   pieces_fn: PiecesFn | None = None,
   rotate_fn: RotateFn | None = None,
+  sink_H: jax.Array | None = None,
+  key_bias_BSH: jax.Array | None = None,
 ):
   """Blockwise online-softmax kernel: memory O(L * block), any L and S.
 
@@ -290,7 +330,8 @@ def chunked_attention(
   rematerialised, so gradients store only the inputs of each query block rather than every
   block's scores. Attention dropout drops the unnormalised block probabilities with a key folded
   from (query block, key block); the denominator is not dropped, which equals dropping the
-  normalised probabilities.
+  normalised probabilities. Sink logits (`sink_H`) start each query block's running max and sum
+  (`online_softmax_init`).
 
   Windowed self-attention without global tokens visits only the key blocks inside the window
   (`roformer.nn.attention.banded`): O(L * w) time instead of a scan over every key block.
@@ -314,7 +355,8 @@ def chunked_attention(
       return banded.banded_attention(
         q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS, qseg_BL=qseg_BL, kseg_BS=kseg_BS,
         causal=causal, window=window, window_kind=window_kind, bias_fn=bias_fn,
-        dropout_rate=dropout_rate, dropout_key=dropout_key, block=block,
+        dropout_rate=dropout_rate, dropout_key=dropout_key, block=block, sink_H=sink_H,
+        key_bias_BSH=key_bias_BSH,
       )  # fmt: skip
   R = H // G
   bq, bk = min(block, L), min(block, S)
@@ -324,8 +366,9 @@ def chunked_attention(
     kseg_BS = jnp.zeros((B, S), jnp.int32)
   # Padded keys are excluded by `kvalid`.
   kvalid_BS = jnp.ones((B, S), bool)
+  kbias = () if key_bias_BSH is None else (key_bias_BSH,)  # scanned only when there is one
   k_xs = (jnp.arange(nk),) + tuple(
-    split_blocks(x, bk) for x in (k_BSGK, v_BSGK, kpos_BS, kseg_BS, kvalid_BS)
+    split_blocks(x, bk) for x in (k_BSGK, v_BSGK, kpos_BS, kseg_BS, kvalid_BS, *kbias)
   )
 
   @jax.checkpoint
@@ -333,7 +376,7 @@ def chunked_attention(
     q_BqGRK = split_heads(q_BqHK, G)
 
     def key_block(carry, k_args):
-      ki, k_BkGK, v_BkGK, kpos_Bk, kseg_Bk, kvalid_Bk = k_args
+      ki, k_BkGK, v_BkGK, kpos_Bk, kseg_Bk, kvalid_Bk, *kbias_BkH = k_args
       mask_BqBk = attention_mask(
         qpos_Bq, kpos_Bk, qseg_Bq, kseg_Bk, causal=causal, window=window,
         window_kind=window_kind, global_tokens=global_tokens,
@@ -345,6 +388,7 @@ def chunked_attention(
 
       def update(carry):
         bias = None if bias_fn is None else bias_fn(qpos_Bq, kpos_Bk)
+        bias = add_key_bias(bias, kbias_BkH[0] if kbias_BkH else None, bq)
         key = None
         if dropout_key is not None:
           key = jax.random.fold_in(jax.random.fold_in(dropout_key, qi), ki)
@@ -363,7 +407,7 @@ def chunked_attention(
       # A key block no query of this block may see is skipped.
       return jax.lax.cond(mask_B11qk.any(), update, lambda c: c, carry), None
 
-    init = online_softmax_init(B, G, R, bq, K)
+    init = online_softmax_init(B, G, R, bq, K, sinks.grouped(sink_H, G))
     carry, _ = jax.lax.scan(jax.checkpoint(key_block), init, k_xs)
     return online_softmax_output(carry, q_BLHK.dtype)
 

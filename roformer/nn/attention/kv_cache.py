@@ -27,10 +27,13 @@ import jax.numpy as jnp
 
 
 class KVCache(NamedTuple):
-  """Unrotated keys and values of one softmax layer, [B, C, G, K] each."""
+  """Keys (rotated, unless a context extension rotates them per piece) and values of one softmax
+  layer, [B, C, G, K] each; with a forget gate (`forget_gate.py`), c [B, C, H] of each cached
+  key (float32), else None."""
 
   k_BCGK: jax.Array
   v_BCGK: jax.Array
+  c_BCH: jax.Array | None = None
 
 
 def capacity(window: int, max_len: int, sinks: int = 0) -> int:

@@ -111,6 +111,17 @@ def scores(q_BLGRK, k_BSGK, bias_BHLS):
   return s_BGRLS
 
 
+def add_key_bias(bias_BHLS, key_bias_BSH, length: int):
+  """The positional bias (or None) plus a bias per key [B, S, H] (the forget gate's -c_j),
+  broadcast over `length` queries: float32 [B, H, L, S], or `bias_BHLS` when there is none."""
+  if key_bias_BSH is None:
+    return bias_BHLS
+  B, S, H = key_bias_BSH.shape
+  kb_BH1S = key_bias_BSH.astype(jnp.float32).transpose(0, 2, 1)[:, :, None, :]
+  kb_BHLS = jnp.broadcast_to(kb_BH1S, (B, H, length, S))
+  return kb_BHLS if bias_BHLS is None else bias_BHLS + kb_BHLS
+
+
 def dropout(x, rate, key):
   """Inverted dropout; identity when `key` is None or `rate` is 0."""
   if key is None or rate == 0.0:
@@ -143,12 +154,16 @@ def split_blocks(x_BT, block, value=0):
 # logits, l_BGRq running sum of exp(logit - m), acc_BGRqK running sum of exp(logit - m) v).
 
 
-def online_softmax_init(B: int, G: int, R: int, bq: int, K: int) -> tuple:
-  return (
-    jnp.full((B, G, R, bq), NEG, jnp.float32),
-    jnp.zeros((B, G, R, bq), jnp.float32),
-    jnp.zeros((B, G, R, bq, K), jnp.float32),
-  )
+def online_softmax_init(B: int, G: int, R: int, bq: int, K: int, sink_GR=None) -> tuple:
+  """The carry before any key block: nothing seen (max NEG, sums 0), or with sink logits
+  [G, R] (`sinks.py`) the sink seen as a key with no value (max the sink, sum exp(0) = 1)."""
+  if sink_GR is None:
+    m_BGRq = jnp.full((B, G, R, bq), NEG, jnp.float32)
+    l_BGRq = jnp.zeros((B, G, R, bq), jnp.float32)
+  else:
+    m_BGRq = jnp.broadcast_to(sink_GR.astype(jnp.float32)[None, :, :, None], (B, G, R, bq))
+    l_BGRq = jnp.ones((B, G, R, bq), jnp.float32)
+  return m_BGRq, l_BGRq, jnp.zeros((B, G, R, bq, K), jnp.float32)
 
 
 def online_softmax_update(

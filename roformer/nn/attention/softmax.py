@@ -17,9 +17,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from roformer.nn.attention import kv_cache
+from roformer.nn.attention import forget_gate, kv_cache
 from roformer.nn.attention.kernels import KERNELS, dense_attention
 from roformer.nn.attention.qk_norm import l2_norm, qk_norm_layers
+from roformer.nn.attention.sinks import sink_param
 from roformer.nn.layers import tokens
 from roformer.posenc import QueryScale, layer_configs
 from roformer.posenc.config import PosEncConfig
@@ -52,7 +53,9 @@ class Attention(nnx.Module):
   value.kernel [D, G, K], out.kernel [H, K, D] ('heads', 'kv', 'embed'); with `use_bias`,
   query.bias [H, K] and key/value.bias [G, K] ('heads', 'kv') and out.bias [D] ('embed',).
   `qkv_bias` (None = `use_bias`) sets the query/key/value biases alone, as Qwen2 has them
-  without an output bias.
+  without an output bias. With `attention_sinks`, sinks [H] ('heads',): one learned sink logit
+  per query head (sinks.py). With `use_forget_gate`, forget_gate.proj.kernel [D, H]
+  ('embed', 'heads') and .bias [H] ('heads',): FoX's forget gate (forget_gate.py).
   """
 
   def __init__(
@@ -75,6 +78,8 @@ class Attention(nnx.Module):
     norm_eps: float = 1e-6,
     query_scale: PosEncConfig | None = None,
     cache_sinks: tuple[int, int] = (0, 0),
+    attention_sinks: bool = False,
+    use_forget_gate: bool = False,
     dtype=jnp.float32,
     param_dtype=jnp.float32,
     rngs: nnx.Rngs,
@@ -130,6 +135,12 @@ class Attention(nnx.Module):
       if query_scale is None or query_scale.query_scale == "none"
       else QueryScale(query_scale, num_heads=H, param_dtype=param_dtype, rngs=rngs)
     )
+    self.sinks = sink_param(H, param_dtype, rngs) if attention_sinks else None
+    self.forget_gate = (
+      forget_gate.ForgetGate(D, H, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+      if use_forget_gate
+      else None
+    )
 
   @classmethod
   def from_config(
@@ -145,9 +156,9 @@ class Attention(nnx.Module):
       dropout_rate=cfg.dropout_rate, impl=cfg.attention_impl,
       block=cfg.attention_block, window=window, window_kind=cfg.attention_window_kind,
       global_tokens=cfg.global_tokens, qk_norm=cfg.qk_norm if normed else "none",
-      norm_eps=cfg.norm_eps, query_scale=layer_posenc,
-      cache_sinks=_cache_sinks(cfg.posenc.extension), dtype=dtype, param_dtype=param_dtype,
-      rngs=rngs,
+      norm_eps=cfg.norm_eps, query_scale=layer_posenc, attention_sinks=cfg.attention_sinks,
+      use_forget_gate=cfg.forget_gate, cache_sinks=_cache_sinks(cfg.posenc.extension),
+      dtype=dtype, param_dtype=param_dtype, rngs=rngs,
     )  # fmt: skip
 
   @classmethod
@@ -174,7 +185,10 @@ class Attention(nnx.Module):
     _, G, K = self.key.kernel.shape
     window = self.cache_window or self.window
     shape = (batch, kv_cache.capacity(window, max_len, self.cache_sinks), G, K)
-    return kv_cache.KVCache(jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype))
+    c_BCH = None
+    if self.forget_gate is not None:  # c of each key; an empty slot holds c = 0
+      c_BCH = jnp.zeros((*shape[:2], self.query.kernel.shape[1]), jnp.float32)
+    return kv_cache.KVCache(jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype), c_BCH)
 
   def __call__(
     self,
@@ -225,6 +239,13 @@ class Attention(nnx.Module):
     q_BLHK, k_BLGK = self._encode(
       q_BLHK, k_BLGK, pos_BL, posenc, rotary_state, rotate=not piecewise
     )
+    sink_H = None if self.sinks is None else self.sinks[...]
+    c_BLH = None
+    if self.forget_gate is not None:
+      c_prev_BH = None
+      if cache is not None:  # the cached c of the position before (0 from an empty slot)
+        c_prev_BH = cache.c_BCH[:, (pos_BL[0, 0] - 1) % cache.c_BCH.shape[1]]
+      c_BLH = forget_gate.cumulative(self.forget_gate(x_BLD), c_prev_BH)
     if cache is not None:
       C = cache.k_BCGK.shape[1]
       # A cache shorter than sinks + window holds the whole generation: plain slots.
@@ -232,13 +253,15 @@ class Attention(nnx.Module):
       cache = kv_cache.KVCache(
         kv_cache.write(cache.k_BCGK, k_BLGK, pos_BL, sinks),
         kv_cache.write(cache.v_BCGK, v_BLGK, pos_BL, sinks),
+        None if c_BLH is None else kv_cache.write(cache.c_BCH, c_BLH, pos_BL, sinks),
       )
       if q_BLHK.shape[1] == 1:
         kpos_BC, kseg_BC = kv_cache.cache_keys(C, pos_BL, sinks)
         o_BLHK = dense_attention(
           q_BLHK, cache.k_BCGK, cache.v_BCGK, pos_BL, kpos_BC, qseg_BL=jnp.zeros_like(pos_BL),
           kseg_BS=kseg_BC, causal=True, window=self.window, window_kind=self.window_kind,
-          bias_fn=posenc.bias, **piecewise,
+          bias_fn=posenc.bias, sink_H=sink_H,
+          key_bias_BSH=None if c_BLH is None else -cache.c_BCH, **piecewise,
         )  # fmt: skip
         return o_BLHK, cache
     o_BLHK = KERNELS[self.impl](
@@ -259,6 +282,8 @@ class Attention(nnx.Module):
       block=self.block,
       global_tokens=self.global_tokens,
       **piecewise,
+      sink_H=sink_H,
+      key_bias_BSH=None if c_BLH is None else -c_BLH,
     )
     return o_BLHK, cache
 
