@@ -129,8 +129,6 @@ def dense_attention(
       o_BGRTK = _softmax_values(
         s_BGRTE, v_BGSK[:, :, :keys], mask_BTE, sink_GR, dropout_rate, dropout_key
       )
-    if masked:  # a query with no allowed key gets zeros (as in `chunked`), not the mean of v
-      o_BGRTK = jnp.where(mask_BTE.any(axis=-1)[:, None, None, :, None], o_BGRTK, 0.0)
     o_blocks.append(o_BGRTK)
   o_BGRLK = o_blocks[0] if len(o_blocks) == 1 else jnp.concatenate(o_blocks, axis=3)
   return o_BGRLK.transpose(0, 3, 1, 2, 4).reshape(B, L, H, K).astype(q_BLHK.dtype)
@@ -182,7 +180,10 @@ def _softmax_values(s_BGRLS, v_BGSK, mask_BLS, sink_GR, dropout_rate, dropout_ke
   if mask_BLS is not None:
     s_BGRLS = jnp.where(mask_BLS[:, None, None], s_BGRLS, NEG)
   p_BGRLS = dropout(_probabilities(s_BGRLS, sink_GR), dropout_rate, dropout_key)
-  return _merge_rows(jnp.einsum)("bgms,bgsk->bgmk", p_BGRLS.astype(v_BGSK.dtype), v_BGSK)
+  o_BGRLK = _rows_einsum("bgms,bgsk->bgmk", p_BGRLS.astype(v_BGSK.dtype), v_BGSK)
+  if mask_BLS is not None:  # a query with no allowed key gets zeros (as `_attend` gives)
+    o_BGRLK = jnp.where(mask_BLS.any(axis=-1)[:, None, None, :, None], o_BGRLK, 0.0)
+  return o_BGRLK
 
 
 def _probabilities(s_BGRLS, sink_GR):
@@ -195,24 +196,18 @@ def _probabilities(s_BGRLS, sink_GR):
   return e_BGRLS / (e_BGRLS.sum(axis=-1, keepdims=True) + jnp.exp(sink_1GR11 - m_BGRL1))
 
 
-def _merge_rows(einsum):
-  """`einsum` over (R, L) merged into one axis M of its first operand and output: one free axis
-  per operand, so neither the product nor its transposes need a copy."""
-
-  def merged(spec, x_BGRL_, y, **kwargs):
-    B, G, R, L = x_BGRL_.shape[:4]
-    out = einsum(
-      spec, x_BGRL_.reshape(B, G, R * L, -1), y, preferred_element_type=jnp.float32, **kwargs
-    )
-    return out.reshape(B, G, R, L, -1)
-
-  return merged
+def _rows_einsum(spec, x_BGRL_, y):
+  """float32 `jnp.einsum(spec, x, y)` with x's (R, L) merged into one axis M (of x and of the
+  output): one free axis per operand, so neither the product nor its transposes need a copy."""
+  B, G, R, L = x_BGRL_.shape[:4]
+  out = jnp.einsum(spec, x_BGRL_.reshape(B, G, R * L, -1), y, preferred_element_type=jnp.float32)
+  return out.reshape(B, G, R, L, -1)
 
 
 def _logits(q_BGRLK, k_BGSK, mask_BLS, bias_BGRLS):
   """q k / sqrt(K) + bias, NEG where masked: [B, G, R, L, S] float32."""
   K = q_BGRLK.shape[-1]
-  s_BGRLS = _merge_rows(jnp.einsum)("bgmk,bgsk->bgms", q_BGRLK, k_BGSK) * (1.0 / math.sqrt(K))
+  s_BGRLS = _rows_einsum("bgmk,bgsk->bgms", q_BGRLK, k_BGSK) * (1.0 / math.sqrt(K))
   if bias_BGRLS is not None:
     s_BGRLS = s_BGRLS + bias_BGRLS
   if mask_BLS is not None:
@@ -253,7 +248,7 @@ def _attend_fwd(q_BGRLK, k_BGSK, v_BGSK, mask_BLS, bias_BGRLS, sink_GR):
   if sink_GR is not None:  # with a sink, a row with every key masked has l = e_sink = 1, o = 0
     esink_BGRL = jnp.exp(sink_GR[None, :, :, None] - m_BGRL1[..., 0])
     l_BGRL = l_BGRL + esink_BGRL
-  ev_BGRLK = _merge_rows(jnp.einsum)("bgms,bgsk->bgmk", e_BGRLS.astype(v_BGSK.dtype), v_BGSK)
+  ev_BGRLK = _rows_einsum("bgms,bgsk->bgmk", e_BGRLS.astype(v_BGSK.dtype), v_BGSK)
   l_BGRL = jnp.where(l_BGRL == 0.0, 1.0, l_BGRL)
   o_BGRLK = ev_BGRLK / l_BGRL[..., None]
   has_bias = None if bias_BGRLS is None else ()  # structure only: no array kept
@@ -267,12 +262,12 @@ def _attend_bwd(residuals, do_BGRLK):
   scale = 1.0 / math.sqrt(K)
   r_BGRL1 = (1.0 / l_BGRL)[..., None]
   do_BGRLK = do_BGRLK.astype(jnp.float32)
-  dp_BGRLS = _merge_rows(jnp.einsum)("bgmk,bgsk->bgms", do_BGRLK.astype(v_BGSK.dtype), v_BGSK)
+  dp_BGRLS = _rows_einsum("bgmk,bgsk->bgms", do_BGRLK.astype(v_BGSK.dtype), v_BGSK)
   # d logits = p (dp - sum_s p dp), with p = e / l and sum_s p dp = do . o.
   delta_BGRL1 = jnp.sum(do_BGRLK * o_BGRLK, axis=-1, keepdims=True)
   ds_BGRLS = e_BGRLS * (dp_BGRLS - delta_BGRL1) * r_BGRL1
   # The 1 / sqrt(K) of the logits scales the [L, K] and [S, K] products, not the [L, S] one.
-  dq_BGRLK = _merge_rows(jnp.einsum)("bgms,bgsk->bgmk", ds_BGRLS.astype(k_BGSK.dtype), k_BGSK)
+  dq_BGRLK = _rows_einsum("bgms,bgsk->bgmk", ds_BGRLS.astype(k_BGSK.dtype), k_BGSK)
   M = R * L
   dk_BGSK = jnp.einsum(
     "bgms,bgmk->bgsk", ds_BGRLS.reshape(B, G, M, -1).astype(q_BGRLK.dtype),
