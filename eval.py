@@ -4,6 +4,7 @@ The logic lives in roformer/evals/ (ppl_vs_length.py, task_vs_length.py, perplex
 
   python eval.py --workdir=DIR [--lengths=256,512] [--protocol=both] [--rope_scaling=yarn ...]
   python eval.py --workdir=DIR --extend=self_extend --extend_window=64 --extend_group=4
+  python eval.py --workdir=DIR --query_scale=logn   # a query temperature beyond the training length
   python eval.py --hf_model=HF_DIR [--workdir=OUT] [--lengths=...]   # a Hugging Face causal LM
   python eval.py --compare=DIR1,DIR2 --plot=FILE.png
   python eval.py --workdir=DIR --task_lengths=8,32,256   # synthetic-task runs: accuracy vs length
@@ -53,6 +54,13 @@ flags.DEFINE_bool(
   "bca", False, "Blockwise causal attention (xPos): blocks of --window or the training length."
 )
 extend_flags.define_flags()
+flags.DEFINE_enum(
+  "query_scale",
+  "none",
+  ["none", "logn", "llama4"],
+  "A query temperature imposed on a decoder run: logn = log_L(n) beyond the training length L "
+  "(Qwen), llama4 = 1 + 0.1 ln(floor(n / L) + 1) (Llama 4 with floor_scale L).",
+)
 flags.DEFINE_string("data_files", "", "Glob of other text, tokenized with the run's tokenizer.")
 flags.DEFINE_string("out", "", "NAME of DIR/eval/NAME.json|png (or of the JSON --compare reads).")
 flags.DEFINE_list("compare", [], "Workdirs (or eval JSON files) to draw in one plot.")
@@ -75,8 +83,8 @@ flags.DEFINE_integer(
 # Flags that only evaluating one --workdir reads (an error with --compare).
 WORKDIR_FLAGS = (
   "workdir", "hf_model", "lengths", "protocol", "stride", "max_tokens", "split", "step",
-  "batch_size", "rope_scaling", "rope_factor", "window", "bca", "data_files", "overwrite",
-  "task_lengths", "task_examples", "position_draws", *extend_flags.NAMES,
+  "batch_size", "rope_scaling", "rope_factor", "window", "bca", "query_scale", "data_files",
+  "overwrite", "task_lengths", "task_examples", "position_draws", *extend_flags.NAMES,
 )  # fmt: skip
 # --overwrite is read by both modes: --workdir's JSON and PNG, --compare's --plot.
 
@@ -100,6 +108,8 @@ def _check_flag_combinations() -> None:
     raise ValueError("--stride sets sliding windows; it is not read with --protocol=nonoverlapping")
   if FLAGS.task_lengths and any(given(n) for n in extend_flags.NAMES):
     raise ValueError("--extend applies to perplexity evaluation, not --task_lengths")
+  if FLAGS.task_lengths and given("query_scale"):
+    raise ValueError("--query_scale applies to perplexity evaluation, not --task_lengths")
   if FLAGS.hf_model:
     for name in ("step", "task_lengths"):
       if given(name):
@@ -173,6 +183,7 @@ def main(argv):
       rope_factor=FLAGS.rope_factor,
       attention_window=FLAGS.window,
       bca=FLAGS.bca,
+      query_scale=FLAGS.query_scale,
       extend=extend_flags.values(FLAGS)[0],
       extend_fields=extend_flags.values(FLAGS)[1],
       data_files=FLAGS.data_files,

@@ -9,11 +9,20 @@ length / L); fine-tunes the rope run briefly at 2L with PI and with YaRN (the PI
 scaled down); trains every encoding again with a quarter of the budget, evaluated at L; and
 repeats the quarter-budget rope, sinusoidal and learned runs with another seed (the seed noise).
 
+The 2024-26 options (docs/frontier.md) are arms of the same budget and seed, evaluated on
+non-overlapping windows from L to 16L: iRoPE, RNoPE-SWA, QK-norm, SSMax, PoPE, Resonance RoPE
+(also with YaRN at evaluation: Resonance YaRN), FoX and attention sinks (`frontier_arms`); the
+rope and nope checkpoints evaluated with a query temperature imposed (logn, llama4: no training);
+and DroPE, the rope run continued at L with no positional encoding for the fine-tunes' budget,
+beside the same continuation with RoPE. `--only` takes these names too; a run that starts from
+another (a fine-tune, an evaluation) brings that one along, retraining it if its workdir is gone.
+
   python experiments/extrapolation.py [--scale=tiny|cpu|paper] [--corpus=pystdlib|sotu]
       [--only=rope,alibi] [--out=DIR] [--workroot=DIR]
 
 Writes OUT (default results/extrapolation/<corpus>): <run>.json per run, results.csv, the plots
-encodings.png and scalings.png, and table.md. Finished runs are skipped, so a killed grid resumes.
+encodings.png, scalings.png and frontier.png, and table.md. Finished runs are skipped, so a
+killed grid resumes.
 """
 
 from __future__ import annotations
@@ -30,6 +39,54 @@ ENCODINGS = ("sinusoidal", "learned", "rope", "alibi", "nope", "t5", "xpos")
 SCALINGS = ("linear", "ntk", "dynamic", "yarn", "llama3")
 FINETUNES = ("linear", "yarn")  # PI and YaRN
 SEED_REPEATS = ("rope", "sinusoidal", "learned")
+# Parameter-free query temperatures imposed at evaluation on a finished run (no training: both
+# are 1 within the training length, so a run trained with them is the run trained without).
+EVAL_QUERY_SCALES = {"rope": ("logn",), "nope": ("logn", "llama4")}
+
+
+def frontier_arms(L: int) -> dict[str, tuple[str, dict]]:
+  """The 2024-26 options (docs/frontier.md), each a full-budget run beside rope and nope: name ->
+  (posenc.kind, overrides). Every option as its paper or model ran it; the grid's models have 3
+  layers, so the hybrids keep one NoPE layer in 3 where Llama 4 and RNoPE-SWA keep one in 4, and
+  their windows are L/4 (Llama 4: chunks of 8K at 256K)."""
+  local = L // 4
+  return {
+    "irope": (  # Llama 4 (configs/irope.py)
+      "rope",
+      {
+        "posenc.layer_pattern": "rope,rope,nope",
+        "posenc.max_wavelength": 500_000.0,
+        "model.attention_window_pattern": f"{local},{local},0",
+        "model.attention_window_kind": "chunked",
+        "model.qk_norm": "l2",
+        "model.qk_norm_kinds": "rope",
+        "posenc.query_scale": "llama4",
+        "posenc.query_scale_kinds": "nope",
+        "posenc.query_scale_floor": float(local),
+      },
+    ),
+    "rnope_swa": (  # arXiv 2501.18795 (configs/rnope_swa.py)
+      "rope",
+      {
+        "posenc.layer_pattern": "rope,rope,nope",
+        "model.attention_window_pattern": f"{local},{local},0",
+        "model.attention_window_kind": "sliding",
+      },
+    ),
+    "qk_norm": ("rope", {"model.qk_norm": "rmsnorm"}),  # per head, before RoPE (OLMo 2, Qwen 3)
+    "ssmax": ("rope", {"posenc.query_scale": "ssmax"}),  # arXiv 2501.19399, s learned per head
+    "pope": ("pope", {}),  # arXiv 2509.10534
+    "resonance": ("rope", {"posenc.rope_resonance": True}),  # arXiv 2403.00071
+    "fox": ("nope", {"model.forget_gate": True}),  # arXiv 2503.02130: FoX without RoPE
+    "sinks": ("rope", {"model.attention_sinks": True}),  # gpt-oss
+  }
+
+
+FRONTIER = tuple(frontier_arms(128))
+# DroPE (arXiv 2512.12167): the rope run continued with no positional encoding at L, for the
+# fine-tunes' budget; "rope_continued" continues it with RoPE, the control for the extra steps.
+RECALIBRATIONS = {"drope": "nope", "rope_continued": "rope"}
+ARMS = (*ENCODINGS, *FRONTIER, *RECALIBRATIONS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +191,33 @@ def grid_runs(scale: Scale, only: set[str]) -> list[grid.Run]:
     runs.append(
       grid.Run(f"{enc}_short_seed1", enc, overrides, [grid.Eval("none", at_l)], budget="seed")
     )
+  for enc, kinds in EVAL_QUERY_SCALES.items():
+    if only and enc not in only:
+      continue
+    for kind in kinds:
+      evals = [grid.Eval(kind, dict(evaluate, protocol="nonoverlapping", query_scale=kind))]
+      runs.append(grid.Run(f"{enc}_{kind}", enc, {}, evals, eval_of=enc, budget="eval"))
+  for name, (enc, arm) in frontier_arms(L).items():
+    if only and name not in only:
+      continue
+    evals = [grid.Eval("none", dict(evaluate, protocol="nonoverlapping"))]
+    if name == "resonance":  # Resonance YaRN: YaRN's frequencies, each wavelength rounded
+      yarn = dict(evaluate, protocol="nonoverlapping", rope_scaling="yarn", rope_factor="auto")
+      evals.append(grid.Eval("yarn", yarn))
+    overrides = {"posenc.kind": enc, "train.num_train_steps": scale.steps, **arm}
+    runs.append(grid.Run(name, enc, overrides, evals, budget="frontier"))
+  for name, enc in RECALIBRATIONS.items():
+    if only and name not in only:
+      continue
+    overrides = {
+      "posenc.kind": enc,
+      "train.num_train_steps": scale.finetune_steps,
+      "optim.warmup_steps": max(1, scale.finetune_steps // 10),
+    }
+    evals = [grid.Eval("none", dict(evaluate, protocol="nonoverlapping"))]
+    if enc == "nope":
+      evals.append(grid.Eval("logn", dict(evaluate, protocol="nonoverlapping", query_scale="logn")))
+    runs.append(grid.Run(name, enc, overrides, evals, init_from="rope", budget="finetune"))
   if not only or "rope" in only:
     for kind in FINETUNES:
       overrides = {
@@ -155,12 +239,17 @@ def grid_runs(scale: Scale, only: set[str]) -> list[grid.Run]:
           budget="finetune",
         )
       )
+  if only:  # the runs these start from, first (a finished one is skipped, or retrained if its
+    # workdir is gone)
+    names = {r.name for r in runs}
+    parents = {r.init_from or r.eval_of for r in runs} - names - {""}
+    runs = [r for r in grid_runs(scale, set()) if r.name in parents] + runs
   return runs
 
 
 def main():
   args, only, out, workroot = grid.parse_cli(
-    __doc__, name="extrapolation", scales=SCALES, encodings=ENCODINGS
+    __doc__, name="extrapolation", scales=SCALES, encodings=ARMS
   )
   scale = SCALES[args.scale]
   common = {
@@ -199,7 +288,7 @@ def main():
     adopt=args.adopt,
   )
   write_report()
-  print(f"wrote {out}/results.csv, table.md, encodings.png, scalings.png")
+  print(f"wrote {out}/results.csv, table.md, encodings.png, scalings.png, frontier.png")
 
 
 if __name__ == "__main__":

@@ -268,7 +268,10 @@ class Run:
     overrides: config overrides (dotted names) on top of the grid's base config.
     evals: evaluations to run on the final checkpoint.
     init_from: name of another run of the grid to fine-tune from ("" = from scratch).
-    budget: label of the training budget ("full", "short", "seed", "finetune").
+    budget: label of the training budget ("full", "short", "seed", "finetune", "eval").
+    eval_of: name of another run of the grid whose final checkpoint this run evaluates without
+      training (e.g. with a query temperature imposed at evaluation); its overrides are that
+      run's.
   """
 
   name: str
@@ -278,6 +281,7 @@ class Run:
   init_from: str = ""
   budget: str = "full"
   skip_reason: str = ""  # a run that cannot exist (e.g. NoPE in an encoder): recorded as such
+  eval_of: str = ""
 
 
 class Progress:
@@ -323,21 +327,27 @@ def run_grid(
 
 def _run_grid(runs, base, common, out, workroot, report, adopt) -> list[dict]:
   progress = Progress(len(runs))
-  records, workdirs = [], {}
+  records, workdirs, configs = [], {}, {}
   for index, run in enumerate(runs, start=1):
     path = out / f"{run.name}.json"
     overrides = {**common, **run.overrides}
+    parent = run.init_from or run.eval_of
+    if parent and parent not in workdirs:
+      raise SystemExit(f"{run.name} starts from {parent}, which this grid does not run")
     if run.init_from:
-      if run.init_from not in workdirs:
-        raise SystemExit(f"{run.name} fine-tunes {run.init_from}, which this grid does not run")
       overrides["train.init_from"] = str(workdirs[run.init_from])
+    if run.eval_of:
+      overrides = configs[run.eval_of]["overrides"]
     config = None if run.skip_reason else make_config(base, overrides)
+    configs[run.name] = {"overrides": overrides, "config": config, "path": path}
     settings = run_settings(
       config.to_dict() if config is not None else {"skipped": run.skip_reason},
       [dataclasses.asdict(ev) for ev in run.evals],
       workroot=workroot,
     )
     workdir = workroot / workdir_name(run.name, settings)
+    if run.eval_of:
+      workdir = workdirs[run.eval_of]
     workdirs[run.name] = workdir
     record = finished_record(path, settings, adopt=adopt, overrides=overrides)
     if record is not None:
@@ -350,11 +360,17 @@ def _run_grid(runs, base, common, out, workroot, report, adopt) -> list[dict]:
       path.write_text(json.dumps(record, indent=2) + "\n")
       records.append(record)
       continue
-    started = progress.begin(index, run, f"training ({run.budget})")
+    if parent:
+      _restore(parent, configs[parent], workdirs[parent])
+    doing = f"evaluating {run.eval_of}" if run.eval_of else f"training ({run.budget})"
+    started = progress.begin(index, run, doing)
     t0 = time.time()
-    last_eval = train_to_end(run.name, config, workdir)
-    train_seconds = time.time() - t0
-    metrics = _read_metrics(workdir)
+    if run.eval_of:  # nothing to train: the evaluated run's final evaluation stands
+      last_eval = json.loads(configs[run.eval_of]["path"].read_text()).get("final_eval", {})
+    else:
+      last_eval = train_to_end(run.name, config, workdir)
+    train_seconds = time.time() - t0 if not run.eval_of else 0.0
+    metrics = [] if run.eval_of else _read_metrics(workdir)
     evaluations = []
     for ev in run.evals:
       evaluations.append(_evaluate(workdir, ev))
@@ -364,6 +380,7 @@ def _run_grid(runs, base, common, out, workroot, report, adopt) -> list[dict]:
       "budget": run.budget,
       "base": base,
       "init_from": run.init_from,
+      "eval_of": run.eval_of,
       "overrides": overrides,
       "train_seconds": round(train_seconds, 1),
       "final_eval": {k: v for k, v in last_eval.items() if isinstance(v, int | float)},
@@ -434,6 +451,24 @@ def train_to_end(name: str, config, workdir: pathlib.Path) -> dict:
   if trained < config.train.num_train_steps:
     raise SystemExit(f"{name} stopped at step {trained}; rerun the grid to resume it")
   return last_eval
+
+
+def _restore(name: str, parent: dict, workdir: pathlib.Path) -> None:
+  """Retrains a finished run whose workdir is gone (workdirs live in a per-machine cache; the
+  committed results do not hold checkpoints) before a run starts from it, and says how far the
+  new final loss is from the recorded one (training is deterministic for one seed on one
+  platform, so the two agree to float rounding there)."""
+  config = parent["config"]
+  trained = max((m["step"] for m in _read_metrics(workdir) if "train_loss" in m), default=0)
+  if trained >= config.train.num_train_steps:
+    return
+  print(f"  {name}: its workdir {workdir} has no final checkpoint; retraining it", flush=True)
+  last_eval = train_to_end(name, config, workdir)
+  recorded = json.loads(parent["path"].read_text()).get("final_eval", {})
+  if "eval_loss" in recorded and "eval_loss" in last_eval:
+    diff = float(last_eval["eval_loss"]) - float(recorded["eval_loss"])
+    print(f"  {name}: final eval loss {last_eval['eval_loss']:.6f}, recorded "
+          f"{recorded['eval_loss']:.6f} (diff {diff:+.2e})", flush=True)  # fmt: skip
 
 
 def _read_metrics(workdir: pathlib.Path) -> list[dict]:

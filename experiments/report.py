@@ -119,6 +119,7 @@ def write_extrapolation(records: Sequence[dict], out: pathlib.Path, *, seq_len: 
     ratio_s = short / rope_short if short and rope_short else None
     ratio_l = long / rope_long if long and rope_long else None
     lines.append(f"| {enc} | {_fmt(short)} | {_fmt(ratio_s)} | {_fmt(long)} | {_fmt(ratio_l)} |")
+  lines += _frontier_table(records, rows, lengths)
   lines += _seed_table(records, rows, seq_len)
   lines += ["", "## Wall time", ""] + _wall_table(records) + [""]
   (out / "table.md").write_text("\n".join(lines))
@@ -148,6 +149,52 @@ def write_extrapolation(records: Sequence[dict], out: pathlib.Path, *, seq_len: 
       out / "scalings.png",
       title=f"RoPE context extension ({scale} scale)",
     )
+  frontier = grid.eval_lines(
+    records,
+    _is_frontier,
+    lambda r, ev: r["run"] if ev["scaling"] == "none" else f"{r['run']} + {ev['scaling']}",
+  )
+  if any(lab not in ("rope", "nope") for lab, _ in frontier):
+    plots.plot_runs(
+      [(lab, _protocol_only(res, "nonoverlapping"), seq_len) for lab, res in frontier],
+      out / "frontier.png",
+      title=f"The 2024-26 options against rope and nope ({scale} scale)",
+    )
+
+
+def _is_frontier(record: dict, ev: dict) -> bool:
+  """The runs of the 2024-26 table: rope and nope as trained (the references), the frontier
+  arms, the evaluation-only runs and the recalibrations of rope (DroPE and its control)."""
+  if record.get("budget") in ("frontier", "eval"):
+    return True
+  if record.get("budget") == "finetune" and record.get("init_from") == "rope":
+    return not record["run"].startswith("rope_") or record["run"] == "rope_continued"
+  return record.get("run") in ("rope", "nope") and ev["scaling"] == "none"
+
+
+def _evaluation_label(ev: dict) -> str:
+  scaling = ev["scaling"]
+  if scaling == "none":
+    return "as trained"
+  if scaling in ("logn", "llama4"):
+    return f"{scaling} query scale at evaluation"
+  return f"{scaling} at evaluation (factor length / L)"
+
+
+def _frontier_table(records: Sequence[dict], rows: list[dict], lengths: list[int]) -> list[str]:
+  chosen = [(r, ev) for r in records for ev in r.get("evaluations", []) if _is_frontier(r, ev)]
+  if not any(r.get("budget") != "full" for r, _ in chosen):
+    return []
+  lines = ["", "## The 2024-26 options: perplexity, non-overlapping windows", ""]
+  lines += ["| run | evaluation | " + " | ".join(str(n) for n in lengths) + " |"]
+  lines += ["|---|---|" + "---|" * len(lengths)]
+  for r, ev in chosen:
+    cells = [
+      _fmt(_ppl(rows, run=r["run"], scaling=ev["scaling"], length=n, protocol="nonoverlapping"))
+      for n in lengths
+    ]
+    lines.append(f"| {r['run']} | {_evaluation_label(ev)} | " + " | ".join(cells) + " |")
+  return lines
 
 
 def _protocol_only(result: dict, protocol: str) -> dict:

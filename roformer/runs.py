@@ -71,6 +71,7 @@ def eval_model_config(
   attention_window: int = 0,
   window_kind: str = "sliding",
   extension: ContextExtension | None = None,
+  query_scale: str = "none",
 ):
   """The run's ModelConfig as evaluated: any RoPE scaling or attention window applied, and a
   blockwise attention kernel.
@@ -84,6 +85,8 @@ def eval_model_config(
       e.g. xPos's blockwise causal attention (window_kind "blockwise", window = seq_len).
     extension: a training-free context extension (`roformer.posenc.extension`); None keeps the
       run's positions.
+    query_scale: a parameter-free query temperature ("logn", "llama4") on every layer, with the
+      training length as logn's L0 and llama4's floor_scale; "none" keeps the run's.
 
   Returns:
     A ModelConfig with the same parameters as `model_cfg`.
@@ -102,6 +105,21 @@ def eval_model_config(
   if extension is not None:
     # The ModelConfig built below validates it (rotary encodings, causal softmax attention).
     posenc = dataclasses.replace(posenc, extension=extension)
+  if query_scale != "none":
+    if posenc.query_scale != "none":
+      raise ValueError(
+        f"--query_scale={query_scale}: this run already trained with "
+        f"posenc.query_scale={posenc.query_scale!r}"
+      )
+    # The ModelConfig built below refuses it for an encoder (a query sees all n keys only when
+    # causal).
+    posenc = dataclasses.replace(
+      posenc,
+      query_scale=query_scale,
+      query_scale_len=seq_len,
+      query_scale_floor=float(seq_len),
+      query_scale_kinds="",
+    )
   window = {}
   if attention_window:
     if attention_window < 0:

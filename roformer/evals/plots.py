@@ -81,6 +81,8 @@ def plot_runs(runs: Sequence[tuple[str, dict, int]], path, *, title: str = "") -
   """
   fig, (ax_len, ax_pos) = plt.subplots(1, 2, figsize=(12, 4.6), constrained_layout=True)
   colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+  if len(runs) > len(colors):  # more runs than the 10 default colours: no two lines share one
+    colors = list(plt.get_cmap("tab20").colors)
   all_lengths, train_lengths = set(), set()
   has_positions = False
   for i, (label, result, train_length) in enumerate(runs):

@@ -40,6 +40,8 @@ def label_notes(model_cfg, *, trained_window: int, stride: int, protocols) -> li
   if extension.kind != "none":
     numbers = ", ".join(f"{f} {getattr(extension, f)}" for f in EXTENSION_FIELDS[extension.kind])
     notes.append(f"{extension.kind} ({numbers})")
+  if model_cfg.posenc.query_scale != "none":
+    notes.append(f"query scale {model_cfg.posenc.query_scale}")
   if "sliding" in protocols:
     notes.append(f"stride {stride}" if stride else "stride L/4")
   return notes
@@ -160,6 +162,7 @@ def evaluate_workdir(
       attention_window=window,
       window_kind=spec.window_kind,
       extension=spec.extension,
+      query_scale=spec.query_scale,
     )
 
   model_cfg = config_at(lengths[0])
@@ -226,6 +229,8 @@ def evaluate_workdir(
     result["hf_model"] = str(hf_model)
   if spec.extension is not None:
     result["context_extension"] = dataclasses.asdict(spec.extension)
+  if spec.query_scale != "none":
+    result["query_scale"] = spec.query_scale
   json_path = results.write_result(result, json_path)
   png_path = plots.plot_runs(
     [(plots.run_label(workdir.name, result), result, seq_len)],

@@ -16,6 +16,11 @@ from roformer.posenc.config import EXTENSION_FIELDS, EXTENSION_KINDS, ContextExt
 from roformer.posenc.rope_scaling import SCALING_KINDS
 
 DEFAULT_MAX_TOKENS = 65536  # eval.py --max_tokens
+# Query temperatures without parameters, which evaluation can impose on any decoder run
+# (posenc/query_scale.py): both are 1 for the n < L keys a query sees within the training length
+# L, so they change what a run sees beyond it. logn: Qwen's log_L(n) for n > L; llama4:
+# 1 + 0.1 ln(floor(n / L) + 1), floor_scale = L.
+EVAL_QUERY_SCALES = ("logn", "llama4")
 AUTO_FACTOR = "auto"
 
 
@@ -77,6 +82,8 @@ class EvalSpec:
       when `window` is 0.
     extension: a training-free context extension applied at evaluation (Self-Extend, DCA,
       ReRoPE, STRING, attention sinks); None = none.
+    query_scale: a parameter-free query temperature applied at evaluation ("logn" or "llama4",
+      `EVAL_QUERY_SCALES`); "none" = as trained.
     position_draws: draws of positions at which a run trained with randomized positions is
       scored (the loss is their mean).
     out: NAME of DIR/eval/NAME.json; "" = `output_name`.
@@ -93,6 +100,7 @@ class EvalSpec:
   window: int = 0
   bca: bool = False
   extension: ContextExtension | None = None
+  query_scale: str = "none"
   position_draws: int = randomized_positions.EVAL_DRAWS
   out: str = ""
 
@@ -105,6 +113,11 @@ class EvalSpec:
     object.__setattr__(self, "lengths", lengths)
     if self.window < 0:
       raise ValueError(f"--window must be > 0, got {self.window}")
+    if self.query_scale not in ("none", *EVAL_QUERY_SCALES):
+      raise ValueError(
+        f"--query_scale must be one of {('none', *EVAL_QUERY_SCALES)}, got {self.query_scale!r} "
+        "(ssmax learns its scale in training; a run trained with it keeps it)"
+      )
 
   @property
   def protocols(self) -> tuple[str, ...]:
@@ -206,4 +219,6 @@ def output_name(spec: EvalSpec, *, seq_len: int) -> str:
     name += f"_{'bca' if spec.bca else 'window'}{window}"
   if spec.extension is not None:
     name += extension_suffix(spec.extension)
+  if spec.query_scale != "none":
+    name += f"_qscale_{spec.query_scale}"
   return name

@@ -30,10 +30,16 @@ def test_extrapolation_grid_writes_every_output_and_resumes(tmp_path):
   encodings = {"sinusoidal", "learned", "t5", "alibi", "rope", "xpos", "nope"}
   seeds = {"rope_short_seed1", "sinusoidal_short_seed1", "learned_short_seed1"}
   fine_tunes = {"rope_linear_2x", "rope_yarn_2x"}
-  assert runs == encodings | {f"{e}_short" for e in encodings} | seeds | fine_tunes
+  frontier = {"irope", "rnope_swa", "qk_norm", "ssmax", "pope", "resonance", "fox", "sinks"}
+  recalibrations = {"drope", "rope_continued"}
+  evaluated = {"rope_logn", "nope_logn", "nope_llama4"}
+  assert runs == (
+    encodings | {f"{e}_short" for e in encodings} | seeds | fine_tunes | frontier
+    | recalibrations | evaluated
+  )  # fmt: skip
   seed_run = json.loads((out / "rope_short_seed1.json").read_text())
   assert seed_run["overrides"]["train.seed"] == 1
-  for name in ("results.csv", "table.md", "encodings.png", "scalings.png"):
+  for name in ("results.csv", "table.md", "encodings.png", "scalings.png", "frontier.png"):
     assert (out / name).stat().st_size > 0, name
   with (out / "results.csv").open() as f:
     rows = list(csv.DictReader(f))
@@ -60,6 +66,18 @@ def test_extrapolation_grid_writes_every_output_and_resumes(tmp_path):
   assert fine_tune["settings"]["train.init_from"].startswith("$WORKROOT/rope-")
   table = (out / "table.md").read_text()
   assert "xpos (no BCA)" in table and "| sinusoidal | " in table.split("## Seed noise")[1]
+  # DroPE: the rope run continued without positions; rope_logn: rope's checkpoint evaluated
+  # with a query temperature, nothing trained.
+  drope = json.loads((out / "drope.json").read_text())
+  assert drope["settings"]["posenc.kind"] == "nope" and drope["init_from"] == "rope"
+  rope_logn = json.loads((out / "rope_logn.json").read_text())
+  assert rope_logn["eval_of"] == "rope" and rope_logn["train_seconds"] == 0.0
+  assert rope_logn["evaluations"][0]["result"]["query_scale"] == "logn"
+  assert rope_logn["metrics"] == []
+  frontier_rows = table.split("## The 2024-26 options")[1]
+  for name in frontier | recalibrations | evaluated:
+    assert f"| {name} | " in frontier_rows, name
+  assert "| resonance | yarn at evaluation" in frontier_rows
   # A rerun finds every run done and only rewrites the report.
   rerun = _run("extrapolation.py", out, workroot)
   assert rerun.returncode == 0, rerun.stderr[-3000:]
@@ -72,6 +90,17 @@ def test_extrapolation_grid_writes_every_output_and_resumes(tmp_path):
   )  # fmt: skip
   assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
   assert "rope_short: recorded eval loss" in again.stdout
+  # A run started from a run whose workdir is gone (another machine's cache) retrains it first,
+  # to the recorded loss.
+  (rope_workdir,) = workroot.glob("rope-*")
+  subprocess.run(["rm", "-r", str(rope_workdir)], check=True)
+  (out / "drope.json").unlink()
+  resumed = _run("extrapolation.py", out, workroot, "--only=drope")
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert "rope: its workdir" in resumed.stdout and "retraining it" in resumed.stdout
+  diff = re.search(r"rope: final eval loss \S+, recorded \S+ \(diff (\S+)\)", resumed.stdout)
+  assert diff and abs(float(diff.group(1))) < 1e-4, resumed.stdout[-2000:]
+  assert json.loads((out / "drope.json").read_text())["settings"] == drope["settings"]
 
 
 @pytest.mark.slow
