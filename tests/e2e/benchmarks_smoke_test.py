@@ -19,6 +19,14 @@ CASES = {
     ["--smoke"],  # 1 layer x 32 at 64 and 256 tokens: one dense, one chunked
     [r"^\| 64 \| [\d,]+ \| [\d.]+ \| - \| - \|", r"^\| 256 \| [\d,]+ \| [\d.]+ \| - \| - \|"],
   ),
+  "frontier": (
+    ["--smoke", "--only=qk_norm,fox"],  # plain RoPE and two arms, one step each
+    [
+      r"^\| rope \| [\d,]+ \| 1\.00 \|",
+      r"^\| qk_norm \| [\d,]+ \| [\d.]+ \|",
+      r"^\| fox \| [\d,]+ \| [\d.]+ \|",
+    ],
+  ),  # fmt: skip
   "eval_memory": (
     ["--lengths=128,256", "--num_layers=1", "--emb_dim=32", "--attention_block=64"],
     [r"^\s+128\s+\d+", r"^\s+256\s+\d+"],
