@@ -119,11 +119,11 @@ def get_config() -> ml_collections.ConfigDict:
 
   # ---- posenc: the positional encoding (one field picks it; every kind's fields are here) ----
   config.posenc = posenc = ml_collections.ConfigDict()
-  # One of: sinusoidal, learned, t5, alibi, rope, xpos, nope, kerple, fire, sandwich, cope.
+  # One of: sinusoidal, learned, t5, alibi, rope, xpos, nope, kerple, fire, sandwich, cope, pope.
   posenc.kind = "rope"
   # learned: size of the position table (longest sequence the model can take).
   posenc.max_len = 512
-  # RoPE / xPos / sinusoidal base b of the frequencies b^(-2i/d).
+  # RoPE / xPos / sinusoidal base b of the frequencies b^(-2i/d); pope: of b^(-c/d).
   posenc.max_wavelength = 10000.0
   # RoPE pairing of dimensions: "interleaved" (2i, 2i+1) as in RoFormer, or "half" (i, i + d/2).
   posenc.rope_layout = "interleaved"
@@ -166,6 +166,9 @@ def get_config() -> ml_collections.ConfigDict:
   # cope: one position table shared by every layer instead of one per layer (the paper's code:
   # --cope-shared, off by default).
   posenc.cope_shared = False
+  # pope: initial key phase bias delta (per key/value head and dim, kept in [-2 pi, 0]): "zeros"
+  # or "uniform" in [-2 pi, 0] (the paper's two options).
+  posenc.pope_bias_init = "zeros"
   # Per-layer encodings: kinds "k1,k2,..." repeated over the layers, as attention_window_pattern
   # ("" = every layer uses posenc.kind, which must otherwise be one of them), e.g. Llama 4's iRoPE
   # "rope,rope,rope,nope". Kinds that act inside attention only (not sinusoidal or learned).

@@ -470,7 +470,7 @@ def _other_kinds_field(name: str, kind: str) -> bool:
 
 
 # Encodings whose own fields are named posenc.<kind>_* (the rope_* fields serve xPos too).
-_KIND_PREFIXED = ("t5", "xpos", "fire", "sandwich", "cope")
+_KIND_PREFIXED = ("t5", "xpos", "fire", "sandwich", "cope", "pope")
 
 
 def describe(run_config: RunConfig) -> str:

@@ -35,15 +35,19 @@ CORPUS = FIXTURES / "tiny_corpus"
 # ---- Positional encodings ----
 
 
-def build_posenc(kind="rope", *, num_heads=4, head_dim=16, emb_dim=64, causal=True, **fields):
+def build_posenc(
+  kind="rope", *, num_heads=4, head_dim=16, emb_dim=64, causal=True, num_kv_heads=0, **fields
+):
   """Validates and builds an encoding outside any mesh, as a model does (its ModelConfig checks
-  the posenc when built); parameters keep their logical axes as metadata."""
+  the posenc when built); parameters keep their logical axes as metadata. `num_kv_heads`
+  (0 = num_heads) is the number of key heads."""
   cfg = PosEncConfig(kind=kind, **fields)
   posenc.validate_posenc(cfg, causal=causal, head_dim=head_dim)
   with nnx.use_eager_sharding(False):
     return posenc.make_posenc(
-      cfg, num_heads=num_heads, head_dim=head_dim, emb_dim=emb_dim, causal=causal, rngs=nnx.Rngs(0)
-    )
+      cfg, num_heads=num_heads, head_dim=head_dim, emb_dim=emb_dim, causal=causal,
+      num_kv_heads=num_kv_heads, rngs=nnx.Rngs(0),
+    )  # fmt: skip
 
 
 # ---- Tiny models with random values in every parameter (the attention-variant tests) ----

@@ -28,6 +28,7 @@ ENCODINGS = [
   ("kerple", None),
   ("fire", None),
   ("sandwich", None),
+  ("pope", None),
   ("rope", _scaling("dynamic")),
   ("rope", {"rope_resonance": True}),
   pytest.param("rope", {**_scaling("yarn"), "rope_resonance": True}, marks=pytest.mark.slow),
@@ -85,6 +86,9 @@ def test_cached_generation_equals_full_forward_for_softmax_variants(fields):
     ("nope", {}, dict(forget_gate=True)),  # FoX: c continued from the cache
     ("rope", {}, dict(forget_gate=True, attention_window_pattern="3,0",
                       attention_impl="chunked", attention_block=2)),
+    ("pope", dict(layer_pattern="pope,nope"), dict(attention_window_pattern="3,0",
+                                                    attention_impl="chunked", attention_block=2)),
+    ("pope", {}, dict(attention_sinks=True, qk_norm="l2")),  # 2K-wide keys, l2 over them
   ],
 )  # fmt: skip
 def test_cached_generation_equals_full_forward_for_per_layer_encodings_qk_norm_and_temperature(

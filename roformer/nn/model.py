@@ -400,6 +400,7 @@ def _posenc(cfg, emb_dim, *, causal, rngs, build=None, posenc_cfg=None):
     head_dim=ATTENTIONS[cfg.attention].rotary_head_dim(cfg, resolve_head_dim(cfg)),
     emb_dim=emb_dim,
     causal=causal,
+    num_kv_heads=resolve_num_kv_heads(cfg),
     param_dtype=DTYPES[cfg.param_dtype],
     embed_init_std=emb_dim**-0.5 if resolve_embed_scale(cfg) == "sqrt_d" else 0.02,
     rngs=rngs,

@@ -24,6 +24,7 @@ from roformer.posenc.layers import (
   pattern_kinds,
   period,
 )
+from roformer.posenc.pope import Pope, pope_features, pope_frequencies
 from roformer.posenc.query_scale import QUERY_SCALES, QueryScale, check_query_scale
 from roformer.posenc.relative import Alibi, T5Bias, alibi_slopes, t5_relative_bucket
 from roformer.posenc.rope import (
@@ -49,6 +50,7 @@ POSENCS: dict[str, type[PosEnc]] = {
   "fire": Fire,
   "sandwich": Sandwich,
   "cope": Cope,
+  "pope": Pope,
 }
 
 
@@ -197,6 +199,7 @@ def make_posenc(
   head_dim: int,
   emb_dim: int,
   causal: bool,
+  num_kv_heads: int = 0,
   param_dtype=jnp.float32,
   embed_init_std: float = 0.02,
   rngs: nnx.Rngs,
@@ -204,10 +207,11 @@ def make_posenc(
   """The encoding `POSENCS[cfg.kind]` (one per model) of a validated `cfg` (a ModelConfig
   validates its posenc when it is built); with a per-layer pattern, a `LayerPattern` holding one
   encoding per distinct layer config (parameter-free for kinds whose layers build their own,
-  `PosEnc.per_layer`)."""
+  `PosEnc.per_layer`). `num_kv_heads` (0 = num_heads) is the number of key heads `rotate`
+  receives (PoPE's key phase bias has one row per key head)."""
   common = dict(
     num_heads=num_heads, head_dim=head_dim, emb_dim=emb_dim, causal=causal,
-    param_dtype=param_dtype, embed_init_std=embed_init_std, rngs=rngs,
+    num_kv_heads=num_kv_heads, param_dtype=param_dtype, embed_init_std=embed_init_std, rngs=rngs,
   )  # fmt: skip
   if has_pattern(cfg):
     configs = layer_configs(cfg)
@@ -216,16 +220,7 @@ def make_posenc(
       (PosEnc if POSENCS[c.kind].per_layer(c) else POSENCS[c.kind])(c, **common) for c in distinct
     ]
     return LayerPattern(cfg, entries, tuple(distinct.index(c) for c in configs), **common)
-  return POSENCS[cfg.kind](
-    cfg,
-    num_heads=num_heads,
-    head_dim=head_dim,
-    emb_dim=emb_dim,
-    causal=causal,
-    param_dtype=param_dtype,
-    embed_init_std=embed_init_std,
-    rngs=rngs,
-  )
+  return POSENCS[cfg.kind](cfg, **common)
 
 
 __all__ = [
@@ -240,6 +235,7 @@ __all__ = [
   "Learned",
   "NoPE",
   "PosEnc",
+  "Pope",
   "Rope",
   "Sandwich",
   "Sinusoidal",
@@ -249,6 +245,8 @@ __all__ = [
   "apply_rotary",
   "layer_configs",
   "make_posenc",
+  "pope_features",
+  "pope_frequencies",
   "rope_frequencies",
   "rope_long_term_decay",
   "rope_sin_cos",

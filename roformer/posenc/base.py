@@ -52,6 +52,7 @@ class PosEnc(nnx.Module):
     head_dim: int,
     emb_dim: int,
     causal: bool,
+    num_kv_heads: int = 0,
     param_dtype=jnp.float32,
     embed_init_std: float = 0.02,
     rngs: nnx.Rngs,
@@ -60,6 +61,8 @@ class PosEnc(nnx.Module):
     self.embed_init_std = embed_init_std  # std of tables added to the token embeddings
     self.cfg = cfg
     self.num_heads = num_heads
+    # Key/value heads G (0 = num_heads): the heads of the keys `rotate` receives.
+    self.num_kv_heads = num_kv_heads or num_heads
     self.head_dim = head_dim
     self.emb_dim = emb_dim
     self.causal = causal
@@ -85,6 +88,14 @@ class PosEnc(nnx.Module):
     layer: the model still calls `embed` and `prepare` once, on a parameter-free instance."""
     del cfg
     return False
+
+  @classmethod
+  def rotated_dim(cls, cfg: PosEncConfig, head_dim: int) -> int:
+    """The width of each query and key head after `rotate`: the key width of the attention
+    kernels and of the decoding cache. head_dim (values keep it) for every encoding but those
+    that map a head to more dims (PoPE: 2 * head_dim)."""
+    del cfg
+    return head_dim
 
   @classmethod
   def acts_on_logits(cls) -> bool:
@@ -138,6 +149,7 @@ class PosEnc(nnx.Module):
     """Transforms queries [B, L, H, K] and keys [B, S, G, K] by position (identity here).
 
     `state` is `prepare`'s result; None means `prepare(kpos_BS)` (the keys given are all keys).
+    Both come back `rotated_dim` wide (K here).
     """
     del qpos_BL, kpos_BS, state
     return q_BLHK, k_BSGK

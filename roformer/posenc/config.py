@@ -101,7 +101,7 @@ class ContextExtension:
 class PosEncConfig:
   kind: str = "rope"
   max_len: int = 512  # learned: size of the position table
-  max_wavelength: float = 10000.0  # RoPE/xPos base b in theta_i = b^(-2i/d); sinusoidal too
+  max_wavelength: float = 10000.0  # RoPE/xPos base b in theta_i = b^(-2i/d); sinusoidal, pope
   rope_layout: str = "interleaved"  # interleaved: pairs (2i, 2i+1); half: pairs (i, i + d/2)
   rope_fraction: float = 1.0  # fraction of each head's dimensions that rotate
   t5_num_buckets: int = 32
@@ -121,6 +121,7 @@ class PosEncConfig:
   sandwich_dim: int = 0  # sandwich: dimension d' of the sinusoids; 0 = model.emb_dim
   cope_npos_max: int = 0  # cope: position embeddings; 0 = data.seq_len + 1 (or max_len + 1)
   cope_shared: bool = False  # cope: one table for all layers instead of one per layer
+  pope_bias_init: str = "zeros"  # pope: key phase bias delta at 0, or "uniform" in [-2 pi, 0]
   # Per-layer encodings (posenc/layers.py): kinds "k1,k2,..." and RoPE bases "b1,b2,...", each
   # repeated over the layers; "" = every layer uses `kind` and `max_wavelength`.
   layer_pattern: str = ""

@@ -503,11 +503,15 @@ def test_posenc_modules_run_under_jit_as_pytrees(kind):
     return pe.embed(x, pos), q2, k2, (jnp.zeros((1, 4, 6, 6)) if bias_BHLS is None else bias_BHLS)
 
   x2, q2, k2, bias_BHLS = run(pe, x, q, pos)
-  assert x2.shape == x.shape and q2.shape == k2.shape == q.shape and bias_BHLS.shape == (1, 4, 6, 6)
+  # Queries and keys come back as wide as the kind says (PoPE's twice the head dim).
+  width = POSENCS[kind].rotated_dim(pe.cfg, 16)
+  assert width == (32 if kind == "pope" else 16)
+  assert x2.shape == x.shape and q2.shape == k2.shape == (1, 6, 4, width)
+  assert bias_BHLS.shape == (1, 4, 6, 6)
   assert all(bool(jnp.all(jnp.isfinite(a))) for a in (x2, q2, k2, bias_BHLS))
   # Exactly the hooks of its kind changed something.
   assert bool(jnp.any(x2 != x)) == (kind in ("sinusoidal", "learned"))
-  assert bool(jnp.any(q2 != q)) == (kind in ("rope", "xpos"))
+  assert (q2.shape != q.shape or bool(jnp.any(q2 != q))) == (kind in ("rope", "xpos", "pope"))
   assert bool(jnp.any(bias_BHLS != 0)) == (kind in ("alibi", "t5", "kerple", "fire", "sandwich"))
 
 

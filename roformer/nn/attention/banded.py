@@ -54,7 +54,7 @@ def banded_attention(
   start - w + 1, and a block index outside [0, nk) is masked out entirely.
   """
   B, L, H, K = q_BLHK.shape
-  G = k_BLGK.shape[2]
+  G, V = k_BLGK.shape[2], v_BLGK.shape[3]
   R = H // G
   if k_BLGK.shape[1] != L:
     raise ValueError(f"banded attention is self-attention: {L} queries but {k_BLGK.shape[1]} keys")
@@ -97,8 +97,8 @@ def banded_attention(
       )  # fmt: skip
       return carry, None
 
-    init = primitives.online_softmax_init(B, G, R, b, K, sinks.grouped(sink_H, G))
+    init = primitives.online_softmax_init(B, G, R, b, V, sinks.grouped(sink_H, G))
     carry, _ = jax.lax.scan(jax.checkpoint(key_block), init, jnp.arange(n_visit))
     return primitives.online_softmax_output(carry, q_BLHK.dtype)
 
-  return primitives.for_each_query_block(query_block, q_BLHK, qpos_BL, qseg_BL, block)
+  return primitives.for_each_query_block(query_block, q_BLHK, qpos_BL, qseg_BL, block, value_dim=V)

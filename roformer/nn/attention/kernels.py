@@ -1,7 +1,9 @@
 """The interchangeable attention kernels: dense, chunked (online softmax over key blocks), auto.
 
 Dimension legend: B batch, L query length, S key length, H query heads, G key/value heads,
-R = H // G query heads per key/value head, K head dim, D model dim.
+R = H // G query heads per key/value head, K head dim, D model dim. Queries and keys may be wider
+than the values (PoPE's are 2K wide): the scores are scaled by 1 / sqrt(the query/key width) and
+every output is as wide as the values.
 """
 
 from __future__ import annotations
@@ -82,12 +84,12 @@ def dense_attention(
       -c_j, `forget_gate.py`), or None.
 
   Returns:
-    [B, L, H, K] in the dtype of q. A query with no allowed key gets zeros.
+    [B, L, H, V] (V the value width) in the dtype of q. A query with no allowed key gets zeros.
   """
   del block
   check_ranks(q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS)
   B, L, H, K = q_BLHK.shape
-  S, G = k_BSGK.shape[1:3]
+  S, G, V = k_BSGK.shape[1], k_BSGK.shape[2], v_BSGK.shape[3]
   # Bidirectional attention over one segment needs no mask at all.
   masked = qseg_BL is not None or causal or window > 0 or pieces_fn is not None
   # Heads first: every product is a GEMM batched over (B, G) with one contracting axis, which
@@ -131,7 +133,7 @@ def dense_attention(
       )
     o_blocks.append(o_BGRTK)
   o_BGRLK = o_blocks[0] if len(o_blocks) == 1 else jnp.concatenate(o_blocks, axis=3)
-  return o_BGRLK.transpose(0, 3, 1, 2, 4).reshape(B, L, H, K).astype(q_BLHK.dtype)
+  return o_BGRLK.transpose(0, 3, 1, 2, 4).reshape(B, L, H, V).astype(q_BLHK.dtype)
 
 
 # Rows per query block of causal self-attention in the dense kernel: GEMMs of 128 rows still run
@@ -275,7 +277,7 @@ def _attend_bwd(residuals, do_BGRLK):
   )  # fmt: skip
   dv_BGSK = jnp.einsum(
     "bgms,bgmk->bgsk", e_BGRLS.reshape(B, G, M, -1).astype(v_BGSK.dtype),
-    (do_BGRLK * r_BGRL1).reshape(B, G, M, K).astype(v_BGSK.dtype),
+    (do_BGRLK * r_BGRL1).reshape(B, G, M, -1).astype(v_BGSK.dtype),  # as wide as the values
     preferred_element_type=jnp.float32,
   )  # fmt: skip
   dsink_GR = None
@@ -321,7 +323,8 @@ def chunked_attention(
   a causal mask) are skipped. Each query block's output is written over the rotated queries it
   was computed from, which no later block reads, so XLA reuses q's buffer for the output instead
   of stacking the blocks into a new one (when L is not a multiple of the block, the last block is
-  shifted back to end at L and keeps the rows already written). Both loop bodies are
+  shifted back to end at L and keeps the rows already written); values narrower than the queries
+  (PoPE) get an output buffer of their own (`for_each_query_block`). Both loop bodies are
   rematerialised, so gradients store only the inputs of each query block rather than every
   block's scores. Attention dropout drops the unnormalised block probabilities with a key folded
   from (query block, key block); the denominator is not dropped, which equals dropping the
@@ -344,7 +347,7 @@ def chunked_attention(
     )
   check_ranks(q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS)
   B, L, H, K = q_BLHK.shape
-  S, G = k_BSGK.shape[1:3]
+  S, G, V = k_BSGK.shape[1], k_BSGK.shape[2], v_BSGK.shape[3]
   if window > 0 and not global_tokens and S == L and pieces_fn is None:
     if banded.visited_blocks(L, block, window, causal) < -(-L // min(block, L)):
       return banded.banded_attention(
@@ -402,11 +405,11 @@ def chunked_attention(
       # A key block no query of this block may see is skipped.
       return jax.lax.cond(mask_B11qk.any(), update, lambda c: c, carry), None
 
-    init = online_softmax_init(B, G, R, bq, K, sinks.grouped(sink_H, G))
+    init = online_softmax_init(B, G, R, bq, V, sinks.grouped(sink_H, G))
     carry, _ = jax.lax.scan(jax.checkpoint(key_block), init, k_xs)
     return online_softmax_output(carry, q_BLHK.dtype)
 
-  return for_each_query_block(query_block, q_BLHK, qpos_BL, qseg_BL, block)
+  return for_each_query_block(query_block, q_BLHK, qpos_BL, qseg_BL, block, value_dim=V)
 
 
 def auto_attention(q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS, *, block: int = 512, **kwargs):

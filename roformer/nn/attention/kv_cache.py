@@ -28,8 +28,8 @@ import jax.numpy as jnp
 
 class KVCache(NamedTuple):
   """Keys (rotated, unless a context extension rotates them per piece) and values of one softmax
-  layer, [B, C, G, K] each; with a forget gate (`forget_gate.py`), c [B, C, H] of each cached
-  key (float32), else None."""
+  layer, [B, C, G, K] each (keys as wide as `rotate` returns them: PoPE's are [B, C, G, 2K]);
+  with a forget gate (`forget_gate.py`), c [B, C, H] of each cached key (float32), else None."""
 
   k_BCGK: jax.Array
   v_BCGK: jax.Array

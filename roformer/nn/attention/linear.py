@@ -141,6 +141,13 @@ class LinearAttention(Attention):
         "model.attention='linear' never forms; use a rotary, absolute or no encoding "
         "(e.g. posenc.kind='rope') or model.attention='softmax'"
       )
+    head_dim = cfg.head_dim or cfg.emb_dim // cfg.num_heads
+    if posenc_cls is not None and posenc_cls.rotated_dim(cfg.posenc, head_dim) != head_dim:
+      raise ValueError(
+        f"posenc.kind={cfg.posenc.kind!r} widens queries and keys beyond the values, which "
+        "model.attention='linear' does not support (its running sums and denominator take "
+        "features as wide as the values); use model.attention='softmax'"
+      )
     if cfg.attention_window or cfg.attention_window_pattern or cfg.global_tokens:
       raise ValueError(
         "model.attention='linear' attends to every key: set model.attention_window=0, "

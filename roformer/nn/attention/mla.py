@@ -95,11 +95,19 @@ class MLAttention(nnx.Module):
 
   @classmethod
   def check_config(cls, cfg, posenc_cls) -> None:
-    del posenc_cls  # rotary or not, the encoding acts through its hooks
+    # Rotary or not, the encoding acts through its hooks, on the rotary part alone.
     if cfg.kv_lora_rank < 1 or cfg.qk_rope_head_dim < 1:
       raise ValueError(
         f"model.attention='mla' needs model.kv_lora_rank > 0 and model.qk_rope_head_dim > 0, "
         f"got {cfg.kv_lora_rank} and {cfg.qk_rope_head_dim}"
+      )
+    R = cfg.qk_rope_head_dim
+    if posenc_cls is not None and posenc_cls.rotated_dim(cfg.posenc, R) != R:
+      raise ValueError(
+        f"posenc.kind={cfg.posenc.kind!r} widens the rotary queries and keys, which "
+        "model.attention='mla' does not support (it caches a rotary key of "
+        "model.qk_rope_head_dim dims and sizes its values by the keys); use "
+        "model.attention='softmax'"
       )
     if cfg.qkv_bias:
       raise ValueError(

@@ -1,7 +1,8 @@
 """The pieces every attention kernel shares: masks, scaled scores, head grouping, blocks, dropout.
 
 Dimension legend: B batch, L query length, S key length, H query heads, G key/value heads,
-R = H // G query heads per key/value head, K head dim.
+R = H // G query heads per key/value head, K query/key head dim, V value head dim (K = V unless
+the encoding widens queries and keys, as PoPE does to 2V).
 """
 
 import math
@@ -32,11 +33,15 @@ RotateFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], tuple[jax.Arra
 NEG = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
-def check_ranks(q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS):
-  if q_BLHK.ndim != 4 or k_BSGK.ndim != 4 or v_BSGK.shape != k_BSGK.shape:
+def check_ranks(q_BLHK, k_BSGK, v_BSGV, qpos_BL, kpos_BS):
+  # Values may be narrower or wider than queries and keys (PoPE's keys are 2V wide).
+  if (
+    q_BLHK.ndim != 4 or k_BSGK.ndim != 4 or v_BSGV.ndim != 4
+    or v_BSGV.shape[:3] != k_BSGK.shape[:3] or q_BLHK.shape[-1] != k_BSGK.shape[-1]
+  ):  # fmt: skip
     raise ValueError(
-      f"attention expects q [B, L, H, K] and k, v [B, S, G, K]; got {q_BLHK.shape}, "
-      f"{k_BSGK.shape}, {v_BSGK.shape}"
+      f"attention expects q [B, L, H, K], k [B, S, G, K] and v [B, S, G, V]; got "
+      f"{q_BLHK.shape}, {k_BSGK.shape}, {v_BSGV.shape}"
     )
   if q_BLHK.shape[2] % k_BSGK.shape[2]:
     raise ValueError(f"{q_BLHK.shape[2]} query heads are not a multiple of {k_BSGK.shape[2]}")
@@ -151,19 +156,20 @@ def split_blocks(x_BT, block, value=0):
 
 # ---- The blockwise kernel's body, shared by the chunked and banded kernels ----
 # Carry of the online softmax over key blocks, per query block: (m_BGRq running max of the
-# logits, l_BGRq running sum of exp(logit - m), acc_BGRqK running sum of exp(logit - m) v).
+# logits, l_BGRq running sum of exp(logit - m), acc_BGRqV running sum of exp(logit - m) v).
 
 
-def online_softmax_init(B: int, G: int, R: int, bq: int, K: int, sink_GR=None) -> tuple:
-  """The carry before any key block: nothing seen (max NEG, sums 0), or with sink logits
-  [G, R] (`sinks.py`) the sink seen as a key with no value (max the sink, sum exp(0) = 1)."""
+def online_softmax_init(B: int, G: int, R: int, bq: int, V: int, sink_GR=None) -> tuple:
+  """The carry before any key block (accumulator V = the value width): nothing seen (max NEG,
+  sums 0), or with sink logits [G, R] (`sinks.py`) the sink seen as a key with no value (max the
+  sink, sum exp(0) = 1)."""
   if sink_GR is None:
     m_BGRq = jnp.full((B, G, R, bq), NEG, jnp.float32)
     l_BGRq = jnp.zeros((B, G, R, bq), jnp.float32)
   else:
     m_BGRq = jnp.broadcast_to(sink_GR.astype(jnp.float32)[None, :, :, None], (B, G, R, bq))
     l_BGRq = jnp.ones((B, G, R, bq), jnp.float32)
-  return m_BGRq, l_BGRq, jnp.zeros((B, G, R, bq, K), jnp.float32)
+  return m_BGRq, l_BGRq, jnp.zeros((B, G, R, bq, V), jnp.float32)
 
 
 def online_softmax_update(
@@ -186,7 +192,7 @@ def online_softmax_step(
 ) -> tuple:
   """`online_softmax_update` from the block's scaled logits [B, G, R, q, k] (float32), for
   kernels that compute them otherwise (piecewise positions)."""
-  m_BGRq, l_BGRq, acc_BGRqK = carry
+  m_BGRq, l_BGRq, acc_BGRqV = carry
   s_BGRqk = jnp.where(mask_B11qk, s_BGRqk, NEG)
   m_new_BGRq = jnp.maximum(m_BGRq, s_BGRqk.max(axis=-1))
   p_BGRqk = jnp.where(mask_B11qk, jnp.exp(s_BGRqk - m_new_BGRq[..., None]), 0.0)
@@ -194,38 +200,49 @@ def online_softmax_step(
   l_new_BGRq = l_BGRq * correction_BGRq + p_BGRqk.sum(axis=-1)
   if dropout_key is not None:
     p_BGRqk = dropout(p_BGRqk, dropout_rate, dropout_key)
-  pv_BGRqK = jnp.einsum(
+  pv_BGRqV = jnp.einsum(
     "bgrqk,bkgd->bgrqd", p_BGRqk.astype(v_BkGK.dtype), v_BkGK, preferred_element_type=jnp.float32
   )
-  return m_new_BGRq, l_new_BGRq, acc_BGRqK * correction_BGRq[..., None] + pv_BGRqK
+  return m_new_BGRq, l_new_BGRq, acc_BGRqV * correction_BGRq[..., None] + pv_BGRqV
 
 
 def online_softmax_output(carry, dtype) -> jax.Array:
-  """[B, bq, H, K] in `dtype` from the final carry; rows with no visible key give zeros."""
-  _, l_BGRq, acc_BGRqK = carry
-  B, G, R, bq, K = acc_BGRqK.shape
-  o_BGRqK = acc_BGRqK / jnp.where(l_BGRq == 0.0, 1.0, l_BGRq)[..., None]
-  return jnp.transpose(o_BGRqK, (0, 3, 1, 2, 4)).reshape(B, bq, G * R, K).astype(dtype)
+  """[B, bq, H, V] in `dtype` from the final carry; rows with no visible key give zeros."""
+  _, l_BGRq, acc_BGRqV = carry
+  B, G, R, bq, V = acc_BGRqV.shape
+  o_BGRqV = acc_BGRqV / jnp.where(l_BGRq == 0.0, 1.0, l_BGRq)[..., None]
+  return jnp.transpose(o_BGRqV, (0, 3, 1, 2, 4)).reshape(B, bq, G * R, V).astype(dtype)
 
 
-def for_each_query_block(query_block, q_BLHK, qpos_BL, qseg_BL, block: int) -> jax.Array:
-  """Attention outputs [B, L, H, K], query block by query block, written over the queries in
-  place: `query_block(qi, start, q_BqHK, qpos_Bq, qseg_Bq) -> o_BqHK` for blocks of `block`
-  rows starting at `start`; the last block is shifted back to end at L, and its rows that an
-  earlier block already wrote keep their output."""
-  L = q_BLHK.shape[1]
+def for_each_query_block(
+  query_block, q_BLHK, qpos_BL, qseg_BL, block: int, value_dim: int | None = None
+) -> jax.Array:
+  """Attention outputs [B, L, H, V], query block by query block: `query_block(qi, start, q_BqHK,
+  qpos_Bq, qseg_Bq) -> o_BqHV` for blocks of `block` rows starting at `start`; the last block is
+  shifted back to end at L, and its rows that an earlier block already wrote keep their output.
+
+  With V = K (`value_dim` None or K) the outputs are written over the queries in place, so XLA
+  needs no second [B, L, H, K] buffer; values of another width (PoPE's queries are 2V wide) get
+  an output buffer of their own."""
+  B, L, H, K = q_BLHK.shape
+  V = K if value_dim is None else value_dim
+  in_place = V == K
   bq = min(block, L)
 
-  def write_query_block(qi, qo_BLHK):
-    # Rows before qi * bq hold outputs already; rows from there on still hold rotated queries.
+  def write_query_block(qi, o_BLHV):
+    # In place, rows before qi * bq hold outputs already and rows from there on still hold
+    # rotated queries; otherwise the queries stay in q.
     start = jnp.minimum(qi * bq, L - bq)
     q_BqHK, qpos_Bq, qseg_Bq = (
-      jax.lax.dynamic_slice_in_dim(x, start, bq, axis=1) for x in (qo_BLHK, qpos_BL, qseg_BL)
+      jax.lax.dynamic_slice_in_dim(x, start, bq, axis=1)
+      for x in (o_BLHV if in_place else q_BLHK, qpos_BL, qseg_BL)
     )
-    o_BqHK = query_block(qi, start, q_BqHK, qpos_Bq, qseg_Bq)
+    o_BqHV = query_block(qi, start, q_BqHK, qpos_Bq, qseg_Bq)
     if L % bq:
       done_1q11 = (start + jnp.arange(bq) < qi * bq)[None, :, None, None]
-      o_BqHK = jnp.where(done_1q11, q_BqHK, o_BqHK)
-    return jax.lax.dynamic_update_slice_in_dim(qo_BLHK, o_BqHK, start, axis=1)
+      written_BqHV = q_BqHK if in_place else jax.lax.dynamic_slice_in_dim(o_BLHV, start, bq, 1)
+      o_BqHV = jnp.where(done_1q11, written_BqHV, o_BqHV)
+    return jax.lax.dynamic_update_slice_in_dim(o_BLHV, o_BqHV, start, axis=1)
 
-  return jax.lax.fori_loop(0, -(-L // bq), write_query_block, q_BLHK)
+  init_BLHV = q_BLHK if in_place else jnp.zeros((B, L, H, V), q_BLHK.dtype)
+  return jax.lax.fori_loop(0, -(-L // bq), write_query_block, init_BLHV)

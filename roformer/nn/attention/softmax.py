@@ -22,7 +22,7 @@ from roformer.nn.attention.kernels import KERNELS, dense_attention
 from roformer.nn.attention.qk_norm import l2_norm, qk_norm_layers
 from roformer.nn.attention.sinks import sink_param
 from roformer.nn.layers import tokens
-from roformer.posenc import QueryScale, layer_configs
+from roformer.posenc import POSENCS, QueryScale, layer_configs
 from roformer.posenc.config import PosEncConfig
 from roformer.posenc.layers import kind_list
 
@@ -80,6 +80,7 @@ class Attention(nnx.Module):
     cache_sinks: tuple[int, int] = (0, 0),
     attention_sinks: bool = False,
     use_forget_gate: bool = False,
+    rotated_dim: int = 0,
     dtype=jnp.float32,
     param_dtype=jnp.float32,
     rngs: nnx.Rngs,
@@ -93,6 +94,8 @@ class Attention(nnx.Module):
       )
     D, H, G, K = emb_dim, num_heads, num_kv_heads, head_dim
     self.dtype = jnp.dtype(dtype)  # of the decoding cache
+    # Width of the keys the encoding's `rotate` returns, which the cache holds (PoPE: 2K).
+    self.rotated_dim = rotated_dim or K
     self.causal = causal
     self.dropout_rate = dropout_rate
     self.impl = impl
@@ -150,6 +153,7 @@ class Attention(nnx.Module):
     under a per-layer pattern (`model.qk_norm_kinds`, `posenc.query_scale_kinds`)."""
     layer_posenc = layer_configs(cfg.posenc, cfg.num_layers)[layer]
     normed = not cfg.qk_norm_kinds or layer_posenc.kind in kind_list(cfg.qk_norm_kinds)
+    rotated_dim = POSENCS[layer_posenc.kind].rotated_dim(layer_posenc, head_dim)
     return cls(
       cfg.emb_dim, cfg.num_heads, head_dim, num_kv_heads=num_kv_heads, causal=causal,
       use_bias=cfg.use_bias, qkv_bias=cfg.use_bias or cfg.qkv_bias,
@@ -158,7 +162,7 @@ class Attention(nnx.Module):
       global_tokens=cfg.global_tokens, qk_norm=cfg.qk_norm if normed else "none",
       norm_eps=cfg.norm_eps, query_scale=layer_posenc, attention_sinks=cfg.attention_sinks,
       use_forget_gate=cfg.forget_gate, cache_sinks=_cache_sinks(cfg.posenc.extension),
-      dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+      rotated_dim=rotated_dim, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
     )  # fmt: skip
 
   @classmethod
@@ -184,11 +188,16 @@ class Attention(nnx.Module):
     attention sinks and their recent window under StreamingLLM's extension)."""
     _, G, K = self.key.kernel.shape
     window = self.cache_window or self.window
-    shape = (batch, kv_cache.capacity(window, max_len, self.cache_sinks), G, K)
+    C = kv_cache.capacity(window, max_len, self.cache_sinks)
     c_BCH = None
     if self.forget_gate is not None:  # c of each key; an empty slot holds c = 0
-      c_BCH = jnp.zeros((*shape[:2], self.query.kernel.shape[1]), jnp.float32)
-    return kv_cache.KVCache(jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype), c_BCH)
+      c_BCH = jnp.zeros((batch, C, self.query.kernel.shape[1]), jnp.float32)
+    # Keys are cached as `rotate` returns them (PoPE's are twice as wide as the values).
+    return kv_cache.KVCache(
+      jnp.zeros((batch, C, G, self.rotated_dim), self.dtype),
+      jnp.zeros((batch, C, G, K), self.dtype),
+      c_BCH,
+    )
 
   def __call__(
     self,

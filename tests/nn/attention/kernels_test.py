@@ -40,7 +40,9 @@ def _segments(length=L):
 def _posenc(kind, causal, scaling=None):
   cfg = PosEncConfig(kind=kind, max_len=256, scaling=scaling or RopeScaling())
   with nnx.use_eager_sharding(False):  # no mesh in these tests
-    return make_posenc(cfg, num_heads=H, head_dim=K, emb_dim=H * K, causal=causal, rngs=nnx.Rngs(3))
+    return make_posenc(
+      cfg, num_heads=H, head_dim=K, emb_dim=H * K, causal=causal, num_kv_heads=G, rngs=nnx.Rngs(3)
+    )
 
 
 POSENC_CASES = [(kind, None) for kind in tuple(POSENCS)] + [
