@@ -345,11 +345,13 @@ def _run_grid(runs, base, common, out, workroot, report, adopt) -> list[dict]:
       [dataclasses.asdict(ev) for ev in run.evals],
       workroot=workroot,
     )
-    workdir = workroot / workdir_name(run.name, settings)
+    record = finished_record(path, settings, adopt=adopt, overrides=overrides)
+    # A finished run keeps the workdir it was recorded with: fields added to the config since (at
+    # their defaults) change today's hash, not the run, nor the init_from its fine-tunes recorded.
+    workdir = workroot / workdir_name(run.name, record["settings"] if record else settings)
     if run.eval_of:
       workdir = workdirs[run.eval_of]
     workdirs[run.name] = workdir
-    record = finished_record(path, settings, adopt=adopt, overrides=overrides)
     if record is not None:
       print(f"[{index}/{len(runs)}] {run.name}: done (skipped)", flush=True)
       records.append(record)
@@ -465,10 +467,10 @@ def _restore(name: str, parent: dict, workdir: pathlib.Path) -> None:
   print(f"  {name}: its workdir {workdir} has no final checkpoint; retraining it", flush=True)
   last_eval = train_to_end(name, config, workdir)
   recorded = json.loads(parent["path"].read_text()).get("final_eval", {})
-  if "eval_loss" in recorded and "eval_loss" in last_eval:
-    diff = float(last_eval["eval_loss"]) - float(recorded["eval_loss"])
-    print(f"  {name}: final eval loss {last_eval['eval_loss']:.6f}, recorded "
-          f"{recorded['eval_loss']:.6f} (diff {diff:+.2e})", flush=True)  # fmt: skip
+  if "loss" in recorded and "loss" in last_eval:
+    diff = float(last_eval["loss"]) - float(recorded["loss"])
+    print(f"  {name}: final eval loss {last_eval['loss']:.6f}, recorded "
+          f"{recorded['loss']:.6f} (diff {diff:+.2e})", flush=True)  # fmt: skip
 
 
 def _read_metrics(workdir: pathlib.Path) -> list[dict]:

@@ -182,3 +182,38 @@ def test_ctrl_c_in_a_grid_is_one_line_naming_the_finished_runs(tmp_path, capsys,
   err = capsys.readouterr().err
   assert err.count("\n") == 1 and "1 finished runs" in err and "(copy__rope)" in err
   assert "rerun the same command to resume" in err
+
+
+def test_a_finished_run_keeps_its_recorded_workdir_when_fields_were_added_since(
+  tmp_path, monkeypatch
+):
+  # A record written before a config field existed matches today's settings (the new field is at
+  # its default), but today's settings hash differs: the run's workdir, and what a fine-tune
+  # starting from it records as train.init_from, are the recorded ones.
+  monkeypatch.syspath_prepend(str(REPO / "experiments"))
+  import grid
+
+  common = {"train.num_train_steps": 2, "data.source": "pystdlib"}
+  parent = grid.Run("a", "rope", {}, [])
+  child = grid.Run("b", "rope", {}, [], init_from="a", budget="finetune")
+  out, workroot = tmp_path / "out", tmp_path / "runs"
+  out.mkdir()
+  today = grid.run_settings(grid.make_config("", common), [], workroot=workroot)
+  older = {k: v for k, v in today.items() if k != "posenc.pope_bias_init"}
+  assert grid.settings_hash(older) != grid.settings_hash(today)
+  record = {"run": "a", "final_eval": {"loss": 1.0}, "settings": older}
+  (out / "a.json").write_text(json.dumps({**record, "settings_hash": grid.settings_hash(older)}))
+  recorded_workdir = workroot / grid.workdir_name("a", older)
+  trained = []
+
+  def train_to_end(name, config, workdir):
+    trained.append((name, config.train.init_from))
+    os.makedirs(workdir, exist_ok=True)
+    (workdir / "metrics.jsonl").write_text(json.dumps({"step": 2, "train_loss": 1.0}) + "\n")
+    return {"loss": 1.0}
+
+  monkeypatch.setattr(grid, "train_to_end", train_to_end)
+  grid.run_grid([parent, child], base="", common=common, out=out, workroot=workroot)
+  # The parent's recorded workdir had no checkpoint: it was retrained there, then b started.
+  assert trained == [("a", ""), ("b", str(recorded_workdir))]
+  assert (recorded_workdir / "metrics.jsonl").exists()
