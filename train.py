@@ -48,13 +48,25 @@ def _check_config_file(argv) -> None:
       _error(f"--config={path}: no such file{hint}")
 
 
+def _without_traceback(message: str) -> str:
+  """ml_collections reports an error raised by a config file's get_config (e.g. a missing
+  `:ARG`) with its traceback; its last line says what is wrong: "flag --config=FILE: <that>"."""
+  if "Traceback (most recent call last)" not in message:
+    return message
+  head = message.split(" Error whilst parsing config file", 1)[0]
+  last = message.strip().splitlines()[-1]
+  kind, _, text = last.partition(": ")
+  # "ValueError: text" or "package.module.SomeError: text": the text alone.
+  return f"{head} {text if text and kind.replace('.', '_').isidentifier() else last}"
+
+
 def _parse_flags(argv):
   """absl's flag parsing, with one clear line (no traceback) for a misspelt or mistyped field."""
   _check_config_file(argv)
   try:
     return FLAGS(argv)
   except flags.Error as e:
-    _error(str(e))
+    _error(_without_traceback(str(e)))
   except (AttributeError, KeyError, TypeError, ValueError) as e:  # raised by ml_collections
     text = " ".join(str(e).replace("\\n", " ").replace("\\'", "'").split()).strip("'\"")
     overrides = [a.split("=")[0][2:] for a in argv[1:] if a.startswith("--config.")]

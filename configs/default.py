@@ -196,7 +196,8 @@ def get_config() -> ml_collections.ConfigDict:
   # Context extension factor s.
   scaling.factor = 1.0
   # Pretrained context length L0: 0 = the data.seq_len of the train.init_from run when there is
-  # one (fine-tuning a shorter run), else this run's data.seq_len.
+  # one (fine-tuning a shorter run) or the max_position_embeddings of the Hugging Face decoder it
+  # names, else this run's data.seq_len.
   scaling.original_max_len = 0
   # ntk_by_parts / yarn: rotations per context above which a frequency is left alone.
   scaling.beta_fast = 32.0
@@ -336,8 +337,10 @@ def get_config() -> ml_collections.ConfigDict:
   train.checkpoint_every_steps = 2000
   # Number of most recent checkpoints kept.
   train.keep_checkpoints = 3
-  # Initialise parameters from another run's workdir (or its checkpoints/ directory) or from a
-  # Hugging Face RoFormer directory; "" = random initialisation. Ignored when resuming.
+  # Initialise parameters from another run's workdir (or its checkpoints/ directory), from a
+  # Hugging Face RoFormer directory, or from a Hugging Face decoder directory (whose config.json
+  # fixes model.* and posenc.*: configs/hf_decoder.py:DIR sets them); "" = random
+  # initialisation. Ignored when resuming.
   train.init_from = ""
 
   # ---- mesh: device mesh and parameter sharding ----

@@ -16,6 +16,7 @@ from etils import epath
 from roformer.data import synthetic
 from roformer.data.config import SOURCE_FIELDS, SOURCES, TOKENIZERS, DataConfig
 from roformer.errors import ConfigError
+from roformer.hf.decoders import DECODER_MODEL_TYPES
 from roformer.infra.sharding import MESH_AXES, MeshConfig
 from roformer.infra.workdir import CONFIG_FILE, read_config_json
 from roformer.nn.config import ModelConfig, unsupported_length
@@ -56,7 +57,8 @@ class TrainConfig:
   eval_batch_size: int = 0  # 0 = global_batch_size
   checkpoint_every_steps: int = 2000  # 0 = only at the end
   keep_checkpoints: int = 3
-  init_from: str = ""  # another run's workdir or a Hugging Face RoFormer directory
+  # Another run's workdir, a Hugging Face RoFormer or a Hugging Face decoder directory.
+  init_from: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -283,7 +285,8 @@ def run_config_from_dict(config: Any, *, vocab_size: int | None = None) -> RunCo
 
   Returns:
     RunConfig, with posenc.scaling.original_max_len 0 replaced by the pretraining length: the
-    data.seq_len of the train.init_from run (a workdir with config.json), else data.seq_len;
+    data.seq_len of the train.init_from run (a workdir with config.json), or the
+    max_position_embeddings of the Hugging Face decoder it names, else data.seq_len;
     for CoPE posenc.cope_npos_max 0 by that length + 1 (CoPE's code: the block size + 1); and
     for posenc.query_scale="logn" posenc.query_scale_len 0 by that length.
 
@@ -342,7 +345,9 @@ def run_config_from_dict(config: Any, *, vocab_size: int | None = None) -> RunCo
 
 
 def _init_from_seq_len(init_from: Any) -> int:
-  """data.seq_len of the run `train.init_from` names (its workdir, checkpoints/ or a step), or 0."""
+  """data.seq_len of the run `train.init_from` names (its workdir, checkpoints/ or a step), the
+  max_position_embeddings of a Hugging Face decoder directory (its training length, as eval.py
+  --hf_model reads it), or 0."""
   if not isinstance(init_from, str) or not init_from:
     return 0
   path = epath.Path(init_from)
@@ -355,6 +360,8 @@ def _init_from_seq_len(init_from: Any) -> int:
   for candidate in candidates:
     try:
       values = read_config_json(candidate)
+      if values is not None and values.get("model_type") in DECODER_MODEL_TYPES:
+        return int(values.get("max_position_embeddings") or 0)
       if values is not None:
         return int(values["data"]["seq_len"])
     except (ValueError, KeyError, TypeError):
@@ -438,7 +445,7 @@ def check_resume(old: Mapping, new: RunConfig) -> None:
   changed = [
     n
     for n in changed_fields(old, new_values)
-    if n not in RESUMABLE_FIELDS and not _other_kinds_field(n, kind)
+    if n not in RESUMABLE_FIELDS and not other_kinds_field(n, kind)
   ]
   if changed:
     flat_old, flat_new = _flatten(old), _flatten(new_values)
@@ -463,7 +470,7 @@ def load_run_config(workdir: str | epath.Path) -> RunConfig:
   return run_config_from_dict(_written_before_per_layer(values))
 
 
-def _other_kinds_field(name: str, kind: str) -> bool:
+def other_kinds_field(name: str, kind: str) -> bool:
   """Whether `name` is a field of another encoding (posenc.fire_* of a RoPE run): it cannot
   change the run."""
   return any(name.startswith(f"posenc.{other}_") for other in _KIND_PREFIXED if other != kind)

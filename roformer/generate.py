@@ -243,7 +243,8 @@ def _generate(graphdef, state, prompt_BP, caches, rotary, rng, *, max_new_tokens
   return jnp.concatenate([prompt_BP, first_B[:, None], rest_NB.T], axis=1)
 
 
-# ---- generate.py's driver: a run's checkpoint and tokenizer, a prompt in, its continuation ----
+# ---- generate.py's driver: a run's checkpoint (or an imported decoder) and tokenizer, a prompt
+# in, its continuation out ----
 
 
 def generate_text(
@@ -259,26 +260,38 @@ def generate_text(
   rope_factor: float = 1.0,
   extension: ContextExtension | None = None,
   step: int | None = None,
+  hf_model: str = "",
 ) -> str:
-  """The continuation of `prompt` by the run in `workdir`, decoded by the run's tokenizer.
+  """The continuation of `prompt` by the run in `workdir` (or by the Hugging Face decoder
+  `hf_model`), decoded by its tokenizer.
 
   Args:
-    workdir: a decoder run's workdir (config.json, checkpoints, tokenizer).
+    workdir: a decoder run's workdir (config.json, checkpoints, tokenizer); None with `hf_model`.
     prompt: the text to continue (at least one token).
     max_new_tokens, temperature, top_k, top_p: as `roformer.generate.generate`.
     seed: the sampling seed.
-    rope_scaling, rope_factor: a RoPE scaling applied at generation ("none" = as trained).
+    rope_scaling, rope_factor: a RoPE scaling applied at generation ("none" = as trained); it
+      replaces an imported model's own, with its max_position_embeddings as the original length.
     extension: a training-free context extension (`roformer.posenc.extension`), e.g.
       StreamingLLM's attention sinks, whose cache keeps the sinks and the recent window only.
-    step: the checkpoint step; None = the latest.
+    step: the checkpoint step; None = the latest (a run only).
+    hf_model: a Hugging Face Llama/Mistral/Qwen2/GPT-NeoX directory (config.json, safetensors,
+      tokenizer.json; `runs.open_hf_model`) that generates instead of a run.
   """
-  workdir = epath.Path(workdir)
-  run_config = config_lib.load_run_config(workdir)
-  if run_config.model.kind != "decoder":
-    raise ValueError(
-      f"{workdir} holds a model.kind={run_config.model.kind!r} run; generation needs a causal "
-      "decoder (model.kind='decoder')"
-    )
+  if bool(workdir) == bool(hf_model):
+    raise ValueError("give a run's --workdir=DIR or a Hugging Face --hf_model=HF_DIR (one of them)")
+  if hf_model:
+    if step is not None:
+      raise ValueError("--step selects a run's checkpoint; --hf_model has one set of weights")
+    run_config, decoder = runs.open_hf_model(hf_model)
+  else:
+    workdir = epath.Path(workdir)
+    run_config = config_lib.load_run_config(workdir)
+    if run_config.model.kind != "decoder":
+      raise ValueError(
+        f"{workdir} holds a model.kind={run_config.model.kind!r} run; generation needs a causal "
+        "decoder (model.kind='decoder')"
+      )
   model_cfg = runs.eval_model_config(
     run_config.model,
     seq_len=run_config.data.seq_len,
@@ -286,11 +299,21 @@ def generate_text(
     rope_factor=rope_factor,
     extension=extension,
   )
-  tokenizer = build_tokenizer(run_config.data, workdir=str(workdir))
+  # An imported model's tokenizer is read where it is; nothing is written beside it.
+  tokenizer = build_tokenizer(run_config.data, workdir="" if hf_model else str(workdir))
   ids = tokenizer.encode(prompt)
   if not ids:
     raise ValueError("--prompt must hold at least one token")
-  model, _ = runs.restore_for_eval(workdir, run_config, model_cfg, step=step)
+  if max(ids) >= model_cfg.vocab_size:
+    # The embedding lookup would not fail, it would read another row: refuse instead.
+    raise ValueError(
+      f"the tokenizer ({run_config.data.tokenizer}) gives the prompt id {max(ids)}, beyond the "
+      f"model's vocabulary of {model_cfg.vocab_size}: is it another model's tokenizer?"
+    )
+  if hf_model:
+    model = runs.with_config(decoder, model_cfg)
+  else:
+    model, _ = runs.restore_for_eval(workdir, run_config, model_cfg, step=step)
   tokens_BT = generate(
     model,
     np.asarray([ids], np.int32),

@@ -20,6 +20,7 @@ from roformer.data.config import DataConfig
 from roformer.data.tokenizer import TOKENIZER_FILE
 from roformer.errors import ConfigError
 from roformer.infra import checkpoint, sharding
+from roformer.infra import workdir as workdir_lib
 from roformer.nn import config as nn_config
 from roformer.nn import model as model_lib
 from roformer.posenc import POSENCS
@@ -176,7 +177,7 @@ def open_hf_model(path) -> tuple[RunConfig, Any]:
     ConfigError: no tokenizer.json or max_position_embeddings, or a config.json field or tensor
       the importer refuses (`hf.HFConversionError`), naming it.
   """
-  path = epath.Path(path)
+  path = epath.Path(workdir_lib.resolve(str(path), flag="--hf_model"))
   tokenizer = path / TOKENIZER_FILE
   if not tokenizer.exists():
     raise ConfigError(

@@ -13,7 +13,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "roformer"
 
 # What each unit may import besides itself (a unit is a top-level module or package of roformer/).
 # A dotted entry allows that module only, e.g. the config takes the mesh config from the sharding
-# and reads config.json with the workdir's reader, and training scores perplexity with the
+# and reads config.json with the workdir's reader (and a Hugging Face decoder's training length
+# with the importer's list of decoder types), and training scores perplexity with the
 # evaluation's scorer, nothing else of those packages.
 ALLOWED = {
   "errors": set(),
@@ -22,7 +23,7 @@ ALLOWED = {
   "infra": {"errors"},
   "nn": {"posenc", "errors"},
   "hf": {"nn", "posenc", "errors"},
-  "config": {"nn", "data", "posenc", "infra.sharding", "infra.workdir", "errors"},
+  "config": {"nn", "data", "posenc", "infra.sharding", "infra.workdir", "hf.decoders", "errors"},
   "runs": {"config", "infra", "nn", "data", "posenc", "hf", "errors"},
   "generate": {"runs", "config", "nn", "data", "posenc", "errors"},
   "evals": {"runs", "config", "infra", "nn", "data", "posenc", "errors"},

@@ -10,7 +10,7 @@ from roformer.hf.checkpoint import (
   load_hf_tensors,
   read_hf_config,
 )
-from roformer.hf.decoders import hf_decoder_config, load_hf_decoder
+from roformer.hf.decoders import DECODER_MODEL_TYPES, hf_decoder_config, load_hf_decoder
 from roformer.hf.roformer import (
   HF_ACTIVATIONS,
   HFRoFormer,
@@ -20,6 +20,7 @@ from roformer.hf.roformer import (
 )
 
 __all__ = [
+  "DECODER_MODEL_TYPES",
   "HF_ACTIVATIONS",
   "OVERRIDABLE_FIELDS",
   "HFConversionError",

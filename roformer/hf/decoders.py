@@ -62,6 +62,8 @@ _DEFAULTS = {
     "rotary_emb_base": 10000.0,
   },
 }
+# The config.json model_type values load_hf_decoder reads.
+DECODER_MODEL_TYPES = tuple(_DEFAULTS)
 # HF's num_key_value_heads when the key is absent: Mistral 8, Qwen2 32; null (or absent
 # elsewhere) means the number of heads.
 _DEFAULT_KV_HEADS = {"mistral": 8, "qwen2": 32}

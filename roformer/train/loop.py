@@ -29,6 +29,7 @@ from roformer.evals import perplexity
 from roformer.infra import checkpoint, metrics_log, preemption, prefetch, sharding
 from roformer.infra import workdir as workdir_lib
 from roformer.posenc import POSENCS
+from roformer.train import init_from
 from roformer.train import state as train_state
 from roformer.train import step as train_step_lib
 from roformer.train.optimizer import make_optimizer
@@ -268,9 +269,18 @@ def _setup(run_config: RunConfig, workdir: epath.Path) -> Setup:
     # Process 0 may have moved an earlier attempt's files.
     preemption.sync_processes("config checked")
   _warn_about_schedule(run_config)
+  init_path = run_config.train.init_from
+  if init_path and not epath.Path(init_path).exists():
+    raise ConfigError(f"train.init_from={init_path}: no such directory")
+  # A Hugging Face decoder fixes the model (its config.json) and the vocabulary (its rows).
+  hf_model = init_from.hf_decoder_model(init_path, run_config.model) if init_path else None
   corpus = data_lib.load_corpus(run_config.data, workdir=str(workdir))
-  if run_config.model.vocab_size != corpus.tokenizer.vocab_size:  # a new config, checked anew
-    model_cfg = dataclasses.replace(run_config.model, vocab_size=corpus.tokenizer.vocab_size)
+  vocab_size = corpus.tokenizer.vocab_size
+  if hf_model is not None:
+    vocab_size = hf_model.vocab_size
+    init_from.check_tokenizer_fits(init_path, vocab_size, corpus.tokenizer, run_config.data)
+  if run_config.model.vocab_size != vocab_size:  # a new config, checked anew
+    model_cfg = dataclasses.replace(run_config.model, vocab_size=vocab_size)
     run_config = dataclasses.replace(run_config, model=model_cfg)
   mesh = sharding.make_mesh(run_config.mesh)
   rules = sharding.axis_rules(run_config.mesh)
@@ -291,8 +301,6 @@ def _setup(run_config: RunConfig, workdir: epath.Path) -> Setup:
     process_index=batch_index,
     process_count=batch_count,
   )
-  if train.init_from and not epath.Path(train.init_from).exists():
-    raise ConfigError(f"train.init_from={train.init_from}: no such directory")
   return Setup(run_config, corpus, mesh, rules, batches)
 
 
