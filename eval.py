@@ -8,6 +8,7 @@ The logic lives in roformer/evals/ (ppl_vs_length.py, task_vs_length.py, perplex
   python eval.py --hf_model=HF_DIR [--workdir=OUT] [--lengths=...]   # a Hugging Face causal LM
   python eval.py --compare=DIR1,DIR2 --plot=FILE.png
   python eval.py --workdir=DIR --task_lengths=8,32,256   # synthetic-task runs: accuracy vs length
+  python eval.py --workdir=DIR --task_lengths=default --effective_threshold=0.856  # RULER's limit
   python eval.py --compare=DIR1,DIR2 --plot=FILE.png --out=task_vs_length
 """
 
@@ -73,6 +74,19 @@ flags.DEFINE_list(
   "'default' = the training range to 8x.",
 )
 flags.DEFINE_integer("task_examples", 128, "Examples per task length (and per passkey depth).")
+flags.DEFINE_float(
+  "effective_fraction",
+  0.9,
+  "Effective length (RULER's reading: the last length before the first one under the limit, "
+  "from the training length up) against this fraction of the score at the training length; for "
+  "perplexity, the loss may rise -ln(fraction) nats (0.105 for 0.9).",
+)
+flags.DEFINE_float(
+  "effective_threshold",
+  0.0,
+  "An absolute limit of the effective length instead of --effective_fraction: the least task "
+  "score with --task_lengths (RULER: 0.856), the largest perplexity otherwise; 0 = the fraction.",
+)
 flags.DEFINE_integer(
   "position_draws",
   4,
@@ -84,7 +98,8 @@ flags.DEFINE_integer(
 WORKDIR_FLAGS = (
   "workdir", "hf_model", "lengths", "protocol", "stride", "max_tokens", "split", "step",
   "batch_size", "rope_scaling", "rope_factor", "window", "bca", "query_scale", "data_files",
-  "overwrite", "task_lengths", "task_examples", "position_draws", *extend_flags.NAMES,
+  "overwrite", "task_lengths", "task_examples", "position_draws", "effective_fraction",
+  "effective_threshold", *extend_flags.NAMES,
 )  # fmt: skip
 # --overwrite is read by both modes: --workdir's JSON and PNG, --compare's --plot.
 
@@ -106,6 +121,10 @@ def _check_flag_combinations() -> None:
     raise ValueError(f"--rope_factor={FLAGS.rope_factor} needs --rope_scaling=KIND")
   if given("stride") and FLAGS.protocol == "nonoverlapping":
     raise ValueError("--stride sets sliding windows; it is not read with --protocol=nonoverlapping")
+  if given("effective_fraction") and given("effective_threshold"):
+    raise ValueError(
+      "--effective_threshold replaces --effective_fraction with an absolute limit; give one"
+    )
   if FLAGS.task_lengths and any(given(n) for n in extend_flags.NAMES):
     raise ValueError("--extend applies to perplexity evaluation, not --task_lengths")
   if FLAGS.task_lengths and given("query_scale"):
@@ -153,6 +172,9 @@ def main(argv):
     from roformer.evals import spec as spec_lib
 
     print(f"JAX devices: {jax.devices()}", flush=True)
+    from roformer.evals.effective_length import EffectiveRule
+
+    effective = EffectiveRule(FLAGS.effective_fraction, FLAGS.effective_threshold)
     if FLAGS.task_lengths:
       from roformer.evals import task_vs_length
 
@@ -167,6 +189,7 @@ def main(argv):
         step=FLAGS.step,
         out=FLAGS.out,
         position_draws=FLAGS.position_draws,
+        effective=effective,
         log=lambda line: print(line, flush=True),
       )
       return
@@ -189,6 +212,7 @@ def main(argv):
       data_files=FLAGS.data_files,
       out=FLAGS.out,
       position_draws=FLAGS.position_draws,
+      effective=effective,
     )
     ppl_vs_length.evaluate_workdir(
       FLAGS.workdir or FLAGS.hf_model,

@@ -14,6 +14,7 @@ from roformer import config as config_lib
 from roformer import data as data_lib
 from roformer import runs
 from roformer.evals import perplexity, plots, results
+from roformer.evals.effective_length import describe, perplexity_effective_lengths
 from roformer.evals.perplexity import AUTO_BATCH_TOKENS
 from roformer.evals.spec import EvalSpec, RopeOverride, factor_at, output_name
 from roformer.infra import workdir as workdir_lib
@@ -132,6 +133,7 @@ def evaluate_workdir(
     (the JSON dict written, the JSON path).
   """
   spec = spec or EvalSpec()
+  spec.effective.check_perplexity_threshold()
   workdir = epath.Path(workdir_lib.resolve(str(workdir)))
   if hf_model:
     if step is not None:
@@ -224,7 +226,10 @@ def evaluate_workdir(
     ),
     "records": records,
     "per_position": _per_position(position_scores),
+    "effective_length": perplexity_effective_lengths(records, spec.effective, train_length=seq_len),
   }
+  for proto in spec.protocols:
+    log(f"effective length ({proto}): {describe(result['effective_length'][proto])}")
   if hf_model:
     result["hf_model"] = str(hf_model)
   if spec.extension is not None:

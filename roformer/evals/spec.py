@@ -10,6 +10,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from roformer.data import PROTOCOLS
+from roformer.evals.effective_length import EffectiveRule
 from roformer.evals.plots import DEFAULT_NAME
 from roformer.posenc import randomized as randomized_positions
 from roformer.posenc.config import EXTENSION_FIELDS, EXTENSION_KINDS, ContextExtension
@@ -86,6 +87,9 @@ class EvalSpec:
       `EVAL_QUERY_SCALES`); "none" = as trained.
     position_draws: draws of positions at which a run trained with randomized positions is
       scored (the loss is their mean).
+    effective: the limit of the effective length recorded with the result (each protocol's
+      longest length whose loss stays within -ln(fraction) nats of the training length's, or
+      whose perplexity stays under an absolute threshold; effective_length.py).
     out: NAME of DIR/eval/NAME.json; "" = `output_name`.
   """
 
@@ -102,6 +106,7 @@ class EvalSpec:
   extension: ContextExtension | None = None
   query_scale: str = "none"
   position_draws: int = randomized_positions.EVAL_DRAWS
+  effective: EffectiveRule = EffectiveRule()
   out: str = ""
 
   def __post_init__(self):

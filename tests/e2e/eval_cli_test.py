@@ -15,6 +15,7 @@ from configs import default
 from roformer import config as config_lib
 from roformer import runs, testing
 from roformer.evals import ppl_vs_length, results, spec
+from roformer.evals.effective_length import EffectiveRule, perplexity_effective_lengths
 from roformer.infra import checkpoint
 from roformer.nn.model import make_model
 from roformer.testing import REPO
@@ -22,7 +23,7 @@ from roformer.testing import REPO
 SEQ_LEN = 32
 JSON_KEYS = {
   "step", "posenc", "rope_scaling", "attention_window", "notes", "split", "max_tokens",
-  "positions", "records", "per_position",
+  "positions", "records", "per_position", "effective_length",
 }  # fmt: skip
 
 
@@ -108,6 +109,14 @@ def test_evaluate_workdir_writes_design_schema_json_and_png(rope_run):
   assert all(np.isfinite(written["per_position"]["loss"]))
   assert (rope_run / "eval" / "ppl_vs_length_len32-64_tok128.png").read_bytes()[:4] == b"\x89PNG"
   assert any("length 2/2" in line and "tokens/s" in line for line in lines)
+  # The effective length of each protocol, read from the training length 32 up.
+  effective = written["effective_length"]
+  assert effective == json.loads(
+    json.dumps(perplexity_effective_lengths(records, EffectiveRule(), train_length=SEQ_LEN))
+  )
+  assert set(effective) == {"rule", "nonoverlapping", "sliding"}
+  assert effective["nonoverlapping"]["reference_length"] == SEQ_LEN
+  assert sum(line.startswith("effective length (") for line in lines) == 2
 
 
 def test_evaluate_workdir_rope_scaling_writes_a_separate_file(rope_run):
@@ -320,6 +329,11 @@ def test_evaluate_workdir_resolves_a_relative_workdir(rope_run, monkeypatch):
     (["--workdir=DIR", "--compare=DIR", "--plot=x.png"], "--workdir is not read by --compare"),
     (["--compare=DIR", "--plot=x.png", "--lengths=64"], "--lengths is not read by --compare"),
     (["--workdir=DIR", "--plot=x.png"], "--plot needs --compare"),
+    (
+      ["--workdir=DIR", "--effective_fraction=0.8", "--effective_threshold=10"],
+      "--effective_threshold replaces --effective_fraction",
+    ),
+    (["--workdir=DIR", "--effective_threshold=0.5"], "largest perplexity"),
     (["--workdir=DIR", "--protocol=nonoverlapping", "--stride=8"], "--stride"),
     (["--workdir="], "--workdir is empty"),
     (
