@@ -72,6 +72,9 @@ def _protocol_label(protocol: str, result: dict) -> str:
 def plot_runs(runs: Sequence[tuple[str, dict, int]], path, *, title: str = "") -> epath.Path:
   """Draws perplexity against length (left) and loss by position (right) for several runs.
 
+  A result's effective length (its "effective_length") is a star on each protocol's curve and a
+  note in its label; key-token perplexities (records' "key_tokens") are a dashed curve.
+
   Args:
     runs: (label, eval JSON dict, training length or 0 if unknown) per run.
     path: output PNG path (local or gs://).
@@ -116,6 +119,15 @@ def plot_runs(runs: Sequence[tuple[str, dict, int]], path, *, title: str = "") -
       if found is not None and found["length"] in xs:
         at = ys[xs.index(found["length"])]
         ax_len.plot([found["length"]], [at], "*", color=color, markersize=14, zorder=5)
+      key_points = [
+        (r["length"], r["key_tokens"]["ppl"])
+        for r in result["records"]
+        if r["protocol"] == protocol and (r.get("key_tokens") or {}).get("ppl") is not None
+      ]
+      if key_points:  # LongPPL's key-token perplexity (eval.py --key_tokens)
+        kx, ky = zip(*key_points, strict=True)
+        ax_len.plot(kx, ky, color=color, linestyle="--", marker="^", markersize=4, alpha=0.7,
+                    label=f"{label}, key tokens")  # fmt: skip
     if train_length:
       train_lengths.add(train_length)
     per_position = result.get("per_position")
