@@ -5,9 +5,11 @@ The logic lives in roformer/evals/ (ppl_vs_length.py, task_vs_length.py, perplex
   python eval.py --workdir=DIR [--lengths=256,512] [--protocol=both] [--rope_scaling=yarn ...]
   python eval.py --workdir=DIR --extend=self_extend --extend_window=64 --extend_group=4
   python eval.py --workdir=DIR --query_scale=logn   # a query temperature beyond the training length
+  python eval.py --workdir=DIR --key_tokens [--key_short_window=K]   # + key-token ppl (LongPPL)
   python eval.py --hf_model=HF_DIR [--workdir=OUT] [--lengths=...]   # a Hugging Face causal LM
   python eval.py --compare=DIR1,DIR2 --plot=FILE.png
   python eval.py --workdir=DIR --task_lengths=8,32,256   # synthetic-task runs: accuracy vs length
+  python eval.py --workdir=DIR --task_lengths=default --effective_threshold=0.856  # RULER's limit
   python eval.py --compare=DIR1,DIR2 --plot=FILE.png --out=task_vs_length
 """
 
@@ -73,6 +75,32 @@ flags.DEFINE_list(
   "'default' = the training range to 8x.",
 )
 flags.DEFINE_integer("task_examples", 128, "Examples per task length (and per passkey depth).")
+flags.DEFINE_float(
+  "effective_fraction",
+  0.9,
+  "Effective length (RULER's reading: the last length before the first one under the limit, "
+  "from the training length up) against this fraction of the score at the training length; for "
+  "perplexity, the loss may rise -ln(fraction) nats (0.105 for 0.9).",
+)
+flags.DEFINE_float(
+  "effective_threshold",
+  0.0,
+  "An absolute limit of the effective length instead of --effective_fraction: the least task "
+  "score with --task_lengths (RULER: 0.856), the largest perplexity otherwise; 0 = the fraction.",
+)
+flags.DEFINE_bool(
+  "key_tokens",
+  False,
+  "Add each non-overlapping length's key-token perplexity (LongPPL: targets whose loss drops by "
+  "> 2 nats from a short window to the whole window and is < 2 nats there), scored by the run's "
+  "own model in both passes; writes NAME_keytok<K>.",
+)
+flags.DEFINE_integer(
+  "key_short_window",
+  0,
+  "--key_tokens: tokens of the short pass's window (K; chunks of K // 4 targets share one); "
+  "0 = a quarter of the training length.",
+)
 flags.DEFINE_integer(
   "position_draws",
   4,
@@ -84,7 +112,8 @@ flags.DEFINE_integer(
 WORKDIR_FLAGS = (
   "workdir", "hf_model", "lengths", "protocol", "stride", "max_tokens", "split", "step",
   "batch_size", "rope_scaling", "rope_factor", "window", "bca", "query_scale", "data_files",
-  "overwrite", "task_lengths", "task_examples", "position_draws", *extend_flags.NAMES,
+  "overwrite", "task_lengths", "task_examples", "position_draws", "effective_fraction",
+  "effective_threshold", "key_tokens", "key_short_window", *extend_flags.NAMES,
 )  # fmt: skip
 # --overwrite is read by both modes: --workdir's JSON and PNG, --compare's --plot.
 
@@ -106,8 +135,14 @@ def _check_flag_combinations() -> None:
     raise ValueError(f"--rope_factor={FLAGS.rope_factor} needs --rope_scaling=KIND")
   if given("stride") and FLAGS.protocol == "nonoverlapping":
     raise ValueError("--stride sets sliding windows; it is not read with --protocol=nonoverlapping")
+  if given("effective_fraction") and given("effective_threshold"):
+    raise ValueError(
+      "--effective_threshold replaces --effective_fraction with an absolute limit; give one"
+    )
   if FLAGS.task_lengths and any(given(n) for n in extend_flags.NAMES):
     raise ValueError("--extend applies to perplexity evaluation, not --task_lengths")
+  if FLAGS.task_lengths and (given("key_tokens") or given("key_short_window")):
+    raise ValueError("--key_tokens applies to perplexity evaluation, not --task_lengths")
   if FLAGS.task_lengths and given("query_scale"):
     raise ValueError("--query_scale applies to perplexity evaluation, not --task_lengths")
   if FLAGS.hf_model:
@@ -153,6 +188,9 @@ def main(argv):
     from roformer.evals import spec as spec_lib
 
     print(f"JAX devices: {jax.devices()}", flush=True)
+    from roformer.evals.effective_length import EffectiveRule
+
+    effective = EffectiveRule(FLAGS.effective_fraction, FLAGS.effective_threshold)
     if FLAGS.task_lengths:
       from roformer.evals import task_vs_length
 
@@ -167,6 +205,7 @@ def main(argv):
         step=FLAGS.step,
         out=FLAGS.out,
         position_draws=FLAGS.position_draws,
+        effective=effective,
         log=lambda line: print(line, flush=True),
       )
       return
@@ -189,6 +228,9 @@ def main(argv):
       data_files=FLAGS.data_files,
       out=FLAGS.out,
       position_draws=FLAGS.position_draws,
+      effective=effective,
+      key_tokens=FLAGS.key_tokens,
+      key_short_window=FLAGS.key_short_window,
     )
     ppl_vs_length.evaluate_workdir(
       FLAGS.workdir or FLAGS.hf_model,

@@ -283,11 +283,12 @@ def get_config() -> ml_collections.ConfigDict:
   # Where tokenized corpora are cached: "" = $ROFORMER_CACHE or ~/.cache/roformer.
   data.cache_dir = ""
   # synthetic: the task, one of copy, reverse, sort, addition, associative_recall, passkey
-  # (roformer/data/synthetic.py); the loss covers the answer tokens only.
+  # (roformer/data/synthetic.py) or RULER's niah_multikey, niah_multivalue, variable_tracking,
+  # common_words, frequent_words (roformer/data/ruler.py); the loss covers the answer tokens only.
   data.task = "copy"
   # synthetic: shortest training task length; training lengths are drawn uniformly from
   # [task_min_len, task_max_len] (symbols to copy, digits per operand, key-value pairs, filler
-  # tokens).
+  # tokens, words in the list; common_words needs >= 19, frequent_words >= 53).
   data.task_min_len = 8
   # synthetic: longest training task length (data.seq_len must hold an example of it).
   data.task_max_len = 32

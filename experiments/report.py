@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import grid
 
 from roformer.evals import plots
+from roformer.evals.effective_length import EffectiveRule, perplexity_effective_lengths
 
 
 def read_header(directory: pathlib.Path) -> tuple[str, int]:
@@ -69,12 +70,19 @@ def write_extrapolation(records: Sequence[dict], out: pathlib.Path, *, seq_len: 
   lengths = sorted({int(r["length"]) for r in rows})
   full = [r for r in records if r.get("budget") == "full" and "evaluations" in r]
   lines = [f"# Length extrapolation ({scale} scale, training length {seq_len})", ""]
+  lines += [
+    "Effective L: RULER's effective length with eval.py's default limit, the last length before "
+    f"the first whose loss is more than -ln 0.9 = 0.105 nats above the loss at {seq_len}, read "
+    f"from {seq_len} up (`{lengths[-1] if lengths else 0}+`: no evaluated length leaves the "
+    "margin).",
+    "",
+  ]
   for protocol in ("nonoverlapping", "sliding"):
     lines += [
       f"## Perplexity, {protocol} windows" + (" (stride L/4)" if protocol == "sliding" else ""),
       "",
-      "| encoding | " + " | ".join(str(n) for n in lengths) + " |",
-      "|---|" + "---|" * len(lengths),
+      "| encoding | " + " | ".join(str(n) for n in lengths) + " | effective L |",
+      "|---|" + "---|" * (len(lengths) + 1),
     ]
     for r in full:
       for ev in r["evaluations"]:
@@ -87,6 +95,7 @@ def write_extrapolation(records: Sequence[dict], out: pathlib.Path, *, seq_len: 
           _fmt(_ppl(rows, run=r["run"], scaling=ev["scaling"], length=n, protocol=protocol))
           for n in lengths
         ]
+        cells.append(_effective(ev["result"], protocol, seq_len))
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines.append("")
   lines += [
@@ -160,6 +169,16 @@ def write_extrapolation(records: Sequence[dict], out: pathlib.Path, *, seq_len: 
       out / "frontier.png",
       title=f"The 2024-26 options against rope and nope ({scale} scale)",
     )
+
+
+def _effective(result: dict, protocol: str, seq_len: int) -> str:
+  """A table cell: the effective length of one protocol ("1024+" when no evaluated length
+  leaves the margin, "–" without one)."""
+  found = perplexity_effective_lengths(result["records"], EffectiveRule(), train_length=seq_len)
+  found = found.get(protocol)
+  if found is None or found["length"] is None:
+    return "–"
+  return f"{found['length']}" + ("+" if found["first_failing"] is None else "")
 
 
 def _is_frontier(record: dict, ev: dict) -> bool:

@@ -233,6 +233,7 @@ def grid_order(result: dict) -> tuple:
 def write_summaries(out: str, results: list[dict]) -> None:
   """results.csv, one PNG per task and table.md from every run's JSON."""
   from roformer.evals import task_plots
+  from roformer.evals.effective_length import EffectiveRule, task_effective_lengths
 
   with open(os.path.join(out, "results.csv"), "w", newline="") as f:
     writer = csv.writer(f)
@@ -250,6 +251,11 @@ def write_summaries(out: str, results: list[dict]) -> None:
     "",
     "Randomized runs are scored at randomized positions as in training: the mean over "
     "draws of positions (each draw's scores are in the run's JSON).",
+    "",
+    "Effective n: RULER's effective length with the limit 0.9 x the run's score at its longest "
+    "training length, the last length before the first one under the limit, read from that "
+    "length up (eval.py's default; `64+`: no evaluated length under the limit; `-`: scoring 0 "
+    "at the training length).",
     "",
   ]
   for task in dict.fromkeys(r["task"] for r in results):
@@ -273,19 +279,24 @@ def write_summaries(out: str, results: list[dict]) -> None:
     lo, hi = runs[0]["train_lengths"]
     for metric, heading in task_plots.METRIC_LABELS.items():
       lines += [f"## {task}: {heading} (trained on lengths {lo}..{hi})", ""]
-      lines.append("| encoding | randomized | " + " | ".join(f"n={n}" for n in lengths) + " |")
-      lines.append("|---|---|" + "---|" * len(lengths))
+      lines.append(
+        "| encoding | randomized | " + " | ".join(f"n={n}" for n in lengths) + " | effective n |"
+      )
+      lines.append("|---|---|" + "---|" * (len(lengths) + 1))
       for r in runs:
         by_length = {rec["length"]: rec for rec in r["records"]}
         cells = [
           "skip" if "skipped" in by_length.get(n, {"skipped": 1}) else f"{by_length[n][metric]:.2f}"
           for n in lengths
         ]
+        found = task_effective_lengths(r, EffectiveRule())[metric]
+        beyond = "+" if found["first_failing"] is None else ""  # no length under the limit
+        cells.append("-" if found["length"] is None else f"{found['length']}{beyond}")
         lines.append(
           f"| {r['encoding']} | {'yes' if r['randomized'] else 'no'} | " + " | ".join(cells) + " |"
         )
       if baseline is not None:
-        cells = [f"{v:.2f}" for v in baseline[metric]]
+        cells = [f"{v:.2f}" for v in baseline[metric]] + [""]
         lines.append(f"| {baseline['label']} | | " + " | ".join(cells) + " |")
       lines.append("")
   with open(os.path.join(out, "table.md"), "w") as f:

@@ -34,7 +34,9 @@ class DataConfig:
   pack: bool = False  # decoder: pack documents with segment ids instead of joining with EOS
   mlm_probability: float = 0.15
   cache_dir: str = ""  # "" = $ROFORMER_CACHE or ~/.cache/roformer
-  task: str = "copy"  # synthetic: copy | reverse | sort | addition | associative_recall | passkey
+  # synthetic: copy | reverse | sort | addition | associative_recall | passkey | niah_multikey |
+  # niah_multivalue | variable_tracking | common_words | frequent_words
+  task: str = "copy"
   task_min_len: int = 8  # synthetic: shortest training task length
   task_max_len: int = 32  # synthetic: longest training task length
   task_lsb_first: bool = False  # synthetic addition: numbers least significant digit first

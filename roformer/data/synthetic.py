@@ -22,6 +22,10 @@ any n at evaluation) counts:
   passkey                n tokens of repeated filler text with 'key=DDDDD.' hidden at a depth in
                          [0, 1] (random in training), then '?key=' and the 5 digits
                          (Mohtashami & Jaggi 2023)
+  niah_multikey, niah_multivalue, variable_tracking, common_words, frequent_words
+                         RULER's synthetic tasks at byte scale (Hsieh et al. 2024): n filler
+                         tokens with needles or assignment chains, or a list of n words; see
+                         ruler.py for each one's n, prompt and answer
 
 A training batch is a pure function of (seed, step, global row): row g of step s draws its length
 and content from `np.random.default_rng((seed, 2, s, g))`, so a resumed run and any process layout
@@ -34,11 +38,14 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
+from roformer.data import ruler, task_text
 from roformer.data.config import DataConfig
+from roformer.data.task_text import example as _example
+from roformer.data.task_text import ids as _ids
 from roformer.data.tokenizer import ByteTokenizer
 from roformer.errors import DataError
 
-TASKS = ("copy", "reverse", "sort", "addition", "associative_recall", "passkey")
+TASKS = ("copy", "reverse", "sort", "addition", "associative_recall", "passkey", *ruler.TASKS)
 # Seed-sequence streams: training rows, and the fixed validation / test streams.
 _TRAIN_STREAM, _SPLIT_STREAMS = 2, {"train": 3, "validation": 4, "test": 5}
 # 62 symbols: with 26, strings of 32 repeat most letters and many bigrams, so copying needs far
@@ -53,22 +60,7 @@ MAX_RECALL_PAIRS = len(_KEYS)
 HIDDEN_ANSWERS = ("associative_recall",)
 HIDDEN_ID = ord("_")
 PASSKEY_DIGITS = 5
-# The filler sentences of the passkey paper.
-_FILLER = (
-  b"The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
-)
 _VALIDATION_TOKENS = 1 << 17  # tokens of the fixed validation / test streams
-
-
-def _ids(text: bytes) -> np.ndarray:
-  return np.frombuffer(text, np.uint8).astype(np.int32)
-
-
-def _example(prompt: list[np.ndarray], answer: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-  tokens = np.concatenate([*prompt, answer]).astype(np.int32)
-  is_answer = np.zeros(len(tokens), bool)
-  is_answer[len(tokens) - len(answer) :] = True
-  return tokens, is_answer
 
 
 def _letters_task(order: Callable[[np.ndarray], np.ndarray]):
@@ -102,7 +94,7 @@ def _associative_recall(rng, n, **_):
 
 
 def _passkey(rng, n, *, depth=None, **_):
-  filler = _ids(_FILLER * (n // len(_FILLER) + 1))[:n]
+  filler = task_text.filler(n)
   depth = rng.uniform() if depth is None else depth
   at = int(round(depth * n))
   key = rng.choice(_DIGITS, PASSKEY_DIGITS)
@@ -117,6 +109,7 @@ GENERATORS = {
   "addition": _addition,
   "associative_recall": _associative_recall,
   "passkey": _passkey,
+  **ruler.GENERATORS,
 }
 
 
@@ -143,6 +136,8 @@ def recall_without_lookup(examples) -> tuple[float, float]:
 
 def example_length(task: str, n: int) -> int:
   """Tokens in an example of task length n (its model input is one token shorter)."""
+  if task in ruler.TASKS:
+    return ruler.example_length(task, n)
   if task in ("copy", "reverse", "sort"):
     return 2 * n + 1
   if task == "addition":
@@ -150,6 +145,11 @@ def example_length(task: str, n: int) -> int:
   if task == "associative_recall":
     return 4 * n + 1
   return n + len("key=.?key=") + 2 * PASSKEY_DIGITS  # passkey
+
+
+def min_length(task: str) -> int:
+  """The shortest task length `task` generates (1 but for common_words and frequent_words)."""
+  return ruler.MIN_LENGTH.get(task, 1)
 
 
 def generate(
@@ -176,6 +176,8 @@ def check_length(task: str, n: int) -> None:
     raise DataError(f"data.task={task!r} is not one of {', '.join(TASKS)}")
   if n < 1:
     raise DataError(f"task length {n} must be >= 1")
+  if task in ruler.TASKS:
+    ruler.check_length(task, n)
   if task == "associative_recall" and n > MAX_RECALL_PAIRS:
     raise DataError(
       f"associative_recall has {MAX_RECALL_PAIRS} distinct keys: task length {n} is too long"
@@ -191,7 +193,11 @@ def check_config(cfg: DataConfig) -> None:
       f"data.task_min_len={cfg.task_min_len} and data.task_max_len={cfg.task_max_len} must "
       "satisfy 1 <= task_min_len <= task_max_len"
     )
-  check_length(cfg.task, cfg.task_max_len)
+  for field in ("task_min_len", "task_max_len"):
+    try:
+      check_length(cfg.task, getattr(cfg, field))
+    except DataError as e:
+      raise DataError(f"data.{field}={getattr(cfg, field)}: {e}") from None
   need = example_length(cfg.task, cfg.task_max_len) - 1
   if cfg.seq_len < need:
     raise DataError(

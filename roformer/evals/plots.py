@@ -17,6 +17,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from etils import epath  # noqa: E402
 from matplotlib import ticker  # noqa: E402
 
+from roformer.evals.effective_length import rule_label  # noqa: E402
 from roformer.infra import workdir as workdir_lib  # noqa: E402
 
 # NAME of DIR/eval/NAME.json and .png when no scaling is applied and no --out is given.
@@ -71,6 +72,9 @@ def _protocol_label(protocol: str, result: dict) -> str:
 def plot_runs(runs: Sequence[tuple[str, dict, int]], path, *, title: str = "") -> epath.Path:
   """Draws perplexity against length (left) and loss by position (right) for several runs.
 
+  A result's effective length (its "effective_length") is a star on each protocol's curve and a
+  note in its label; key-token perplexities (records' "key_tokens") are a dashed curve.
+
   Args:
     runs: (label, eval JSON dict, training length or 0 if unknown) per run.
     path: output PNG path (local or gs://).
@@ -85,6 +89,7 @@ def plot_runs(runs: Sequence[tuple[str, dict, int]], path, *, title: str = "") -
     colors = list(plt.get_cmap("tab20").colors)
   all_lengths, train_lengths = set(), set()
   has_positions = False
+  rules = {}  # legend entries of the effective-length rules drawn, each once
   for i, (label, result, train_length) in enumerate(runs):
     color = colors[i % len(colors)]
     protocols = dict.fromkeys(r["protocol"] for r in result["records"])
@@ -104,8 +109,25 @@ def plot_runs(runs: Sequence[tuple[str, dict, int]], path, *, title: str = "") -
       skipped = [r["length"] for r in result["records"] if "skipped" in r]
       if skipped:
         line_label += f" (skipped L>={min(skipped)})"
+      effective = result.get("effective_length")
+      found = effective.get(protocol) if effective else None
+      if found is not None:
+        line_label += f", effective L={found['length'] or 'none'}"
+        rules.setdefault(rule_label(effective["rule"], perplexity=True))
       style = PROTOCOL_STYLES.get(protocol, {})
       ax_len.plot(xs, ys, color=color, label=line_label, markersize=4, **style)
+      if found is not None and found["length"] in xs:
+        at = ys[xs.index(found["length"])]
+        ax_len.plot([found["length"]], [at], "*", color=color, markersize=14, zorder=5)
+      key_points = [
+        (r["length"], r["key_tokens"]["ppl"])
+        for r in result["records"]
+        if r["protocol"] == protocol and (r.get("key_tokens") or {}).get("ppl") is not None
+      ]
+      if key_points:  # LongPPL's key-token perplexity (eval.py --key_tokens)
+        kx, ky = zip(*key_points, strict=True)
+        ax_len.plot(kx, ky, color=color, linestyle="--", marker="^", markersize=4, alpha=0.7,
+                    label=f"{label}, key tokens")  # fmt: skip
     if train_length:
       train_lengths.add(train_length)
     per_position = result.get("per_position")
@@ -118,6 +140,8 @@ def plot_runs(runs: Sequence[tuple[str, dict, int]], path, *, title: str = "") -
         ax_pos.plot(xs, ys, color=color, linewidth=1, label=f"{label}, L={per_position['length']}")
         has_positions = True
 
+  for rule in rules:
+    ax_len.plot([], [], "*", color="0.4", markersize=10, linestyle="none", label=rule)
   for j, train_length in enumerate(sorted(train_lengths)):
     for ax in (ax_len, ax_pos):
       label = "training length" if j == 0 else None

@@ -13,7 +13,8 @@ from etils import epath
 from roformer import config as config_lib
 from roformer import data as data_lib
 from roformer import runs
-from roformer.evals import perplexity, plots, results
+from roformer.evals import key_tokens, perplexity, plots, results
+from roformer.evals.effective_length import describe, perplexity_effective_lengths
 from roformer.evals.perplexity import AUTO_BATCH_TOKENS
 from roformer.evals.spec import EvalSpec, RopeOverride, factor_at, output_name
 from roformer.infra import workdir as workdir_lib
@@ -132,6 +133,7 @@ def evaluate_workdir(
     (the JSON dict written, the JSON path).
   """
   spec = spec or EvalSpec()
+  spec.effective.check_perplexity_threshold()
   workdir = epath.Path(workdir_lib.resolve(str(workdir)))
   if hf_model:
     if step is not None:
@@ -142,6 +144,9 @@ def evaluate_workdir(
   seq_len = run_config.data.seq_len
   if spec.bca and run_config.model.kind != "decoder":
     raise ValueError("--bca (blockwise causal attention) applies to decoders only")
+  key_window = spec.key_window_for(seq_len)
+  if key_window:
+    _check_key_tokens(run_config)
   json_path = workdir / "eval" / f"{output_name(spec, seq_len=seq_len)}.json"
   if json_path.exists() and not overwrite:
     raise FileExistsError(
@@ -203,6 +208,10 @@ def evaluate_workdir(
       record, scores = _evaluate_length(
         model, tokens, tokenizer, run_config, spec, length, proto, max_length, log, prefix
       )
+      if key_window and proto == "nonoverlapping":
+        record["key_tokens"] = _key_tokens_at(
+          model, tokens, tokenizer, run_config, spec, length, max_length, key_window, log, prefix
+        )
       records.append(record)
       position_scores[(length, proto)] = scores
 
@@ -224,13 +233,18 @@ def evaluate_workdir(
     ),
     "records": records,
     "per_position": _per_position(position_scores),
+    "effective_length": perplexity_effective_lengths(records, spec.effective, train_length=seq_len),
   }
+  for proto in spec.protocols:
+    log(f"effective length ({proto}): {describe(result['effective_length'][proto])}")
   if hf_model:
     result["hf_model"] = str(hf_model)
   if spec.extension is not None:
     result["context_extension"] = dataclasses.asdict(spec.extension)
   if spec.query_scale != "none":
     result["query_scale"] = spec.query_scale
+  if key_window:
+    result["key_tokens"] = key_tokens.settings(key_window)
   json_path = results.write_result(result, json_path)
   png_path = plots.plot_runs(
     [(plots.run_label(workdir.name, result), result, seq_len)],
@@ -239,6 +253,40 @@ def evaluate_workdir(
   )
   log(f"wrote {json_path} and {png_path}")
   return result, json_path
+
+
+def _check_key_tokens(run_config) -> None:
+  """Key tokens compare a decoder's next-token losses at consecutive positions."""
+  if run_config.model.kind != "decoder":
+    raise ValueError("--key_tokens compares next-token losses: it applies to decoders only")
+  if run_config.model.posenc.randomize_max:
+    raise ValueError(
+      "--key_tokens reads both passes at consecutive positions; this run was trained with "
+      "randomized positions (posenc.randomize_max)"
+    )
+
+
+def _key_tokens_at(model, tokens, tokenizer, run_config, spec, length, max_length, key_window,
+                   log, prefix) -> dict:  # fmt: skip
+  """The "key_tokens" entry of the non-overlapping record at `length`."""
+  start = time.perf_counter()
+  windows = data_lib.eval_windows(
+    tokens, model_kind="decoder", length=length, protocol="nonoverlapping", stride=length,
+    max_tokens=spec.max_tokens, max_length=max_length, tokenizer=tokenizer,
+    packed=run_config.data.pack,
+  )  # fmt: skip
+  found = key_tokens.key_token_record(
+    model,
+    windows,
+    short_window=key_window,
+    eos_id=tokenizer.eos_id if run_config.data.pack else None,
+  )
+  ppl = "none" if found["ppl"] is None else f"{found['ppl']:.3f}"
+  log(
+    f"{prefix}: {found['count']:,} key tokens of {found['candidates']:,} candidates (short "
+    f"window {key_window}), key-token ppl {ppl} in {time.perf_counter() - start:.1f}s"
+  )
+  return found
 
 
 def _check_vocabulary(tokens, vocab_size: int, tokenizer: str) -> None:

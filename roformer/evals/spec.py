@@ -10,6 +10,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from roformer.data import PROTOCOLS
+from roformer.evals.effective_length import EffectiveRule
 from roformer.evals.plots import DEFAULT_NAME
 from roformer.posenc import randomized as randomized_positions
 from roformer.posenc.config import EXTENSION_FIELDS, EXTENSION_KINDS, ContextExtension
@@ -86,6 +87,12 @@ class EvalSpec:
       `EVAL_QUERY_SCALES`); "none" = as trained.
     position_draws: draws of positions at which a run trained with randomized positions is
       scored (the loss is their mean).
+    effective: the limit of the effective length recorded with the result (each protocol's
+      longest length whose loss stays within -ln(fraction) nats of the training length's, or
+      whose perplexity stays under an absolute threshold; effective_length.py).
+    key_tokens: add each non-overlapping record's key-token perplexity (LongPPL, key_tokens.py).
+    key_short_window: K of the key tokens' short pass; 0 = a quarter of the training length
+      (`key_window_for`).
     out: NAME of DIR/eval/NAME.json; "" = `output_name`.
   """
 
@@ -102,6 +109,9 @@ class EvalSpec:
   extension: ContextExtension | None = None
   query_scale: str = "none"
   position_draws: int = randomized_positions.EVAL_DRAWS
+  effective: EffectiveRule = EffectiveRule()
+  key_tokens: bool = False
+  key_short_window: int = 0
   out: str = ""
 
   def __post_init__(self):
@@ -113,6 +123,14 @@ class EvalSpec:
     object.__setattr__(self, "lengths", lengths)
     if self.window < 0:
       raise ValueError(f"--window must be > 0, got {self.window}")
+    if self.key_short_window < 0:
+      raise ValueError(f"--key_short_window must be >= 0, got {self.key_short_window}")
+    if self.key_short_window and not self.key_tokens:
+      raise ValueError(f"--key_short_window={self.key_short_window} needs --key_tokens")
+    if self.key_tokens and self.protocol == "sliding":
+      raise ValueError(
+        "--key_tokens scores the non-overlapping windows; use --protocol=nonoverlapping or both"
+      )
     if self.query_scale not in ("none", *EVAL_QUERY_SCALES):
       raise ValueError(
         f"--query_scale must be one of {('none', *EVAL_QUERY_SCALES)}, got {self.query_scale!r} "
@@ -134,6 +152,13 @@ class EvalSpec:
   def window_for(self, seq_len: int) -> int:
     """The imposed attention window: BCA blocks default to the training length."""
     return self.window or (seq_len if self.bca else 0)
+
+  def key_window_for(self, seq_len: int) -> int:
+    """K of the key tokens' short pass (0 without --key_tokens): a quarter of the training
+    length by default, so that every length from the training length up has candidates."""
+    if not self.key_tokens:
+      return 0
+    return self.key_short_window or max(1, seq_len // 4)
 
 
 def extension_from_options(kind: str = "none", **fields: int) -> ContextExtension | None:
@@ -193,8 +218,8 @@ def output_name(spec: EvalSpec, *, seq_len: int) -> str:
   Evaluating other text (`_files`), the test split (`_test`), other lengths (`_len256-512`), one
   protocol (`_sliding`), a stride (`_stride64`), another number of scored tokens (`_tok8192`), a
   RoPE scaling (`_<scaling>_<factor>`, factor "auto" too), an attention window (`_window<W>`,
-  `_bca<W>`) or a context extension (`_<kind>_<field><N>...`) never overwrites the plain
-  validation result.
+  `_bca<W>`), a context extension (`_<kind>_<field><N>...`) or key tokens (`_keytok<K>`) never
+  overwrites the plain validation result.
   """
   if spec.out:
     return spec.out
@@ -221,4 +246,6 @@ def output_name(spec: EvalSpec, *, seq_len: int) -> str:
     name += extension_suffix(spec.extension)
   if spec.query_scale != "none":
     name += f"_qscale_{spec.query_scale}"
+  if spec.key_tokens:
+    name += f"_keytok{spec.key_window_for(seq_len)}"
   return name

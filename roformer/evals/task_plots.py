@@ -13,6 +13,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from etils import epath  # noqa: E402
 
 from roformer.evals import plots  # noqa: E402
+from roformer.evals.effective_length import rule_label  # noqa: E402
 
 # NAME of DIR/eval/NAME.json and .png written by `eval.py --task_lengths`.
 DEFAULT_NAME = "task_vs_length"
@@ -50,7 +51,8 @@ def _length_axis(ax) -> None:
 def plot_task_runs(runs: Sequence[tuple[str, dict]], path, *, title: str = "") -> epath.Path:
   """Exact match (solid) and per-token accuracy (dashed) against task length for several runs.
 
-  The training range of the first run is shaded.
+  The training range of the first run is shaded; a run's effective length by exact match (its
+  JSON's "effective_length") is a star on its curve and a note in its label.
 
   Args:
     runs: (label, task JSON dict) per run.
@@ -59,14 +61,25 @@ def plot_task_runs(runs: Sequence[tuple[str, dict]], path, *, title: str = "") -
   """
   fig, ax = plt.subplots(figsize=(7.5, 4.6), constrained_layout=True)
   colors = _colors(len(runs))
+  rules = {}  # legend entries of the effective-length rules drawn, each once
   for i, (label, result) in enumerate(runs):
     points = [r for r in result["records"] if "skipped" not in r]
     if not points:
       continue
     xs = [r["length"] for r in points]
     color = colors[i % len(colors)]
+    effective = result.get("effective_length")
+    found = effective["exact_match"] if effective else None
+    if found is not None:
+      label = f"{label}, effective n={found['length'] or 'none'}"
+      rules.setdefault(rule_label(effective["rule"], perplexity=False))
     ax.plot(xs, [r["exact_match"] for r in points], "-o", color=color, label=label)
     ax.plot(xs, [r["token_accuracy"] for r in points], "--", color=color, alpha=0.6)
+    if found is not None and found["length"] is not None:
+      at = next(r["exact_match"] for r in points if r["length"] == found["length"])
+      ax.plot([found["length"]], [at], "*", color=color, markersize=15, zorder=5)
+  for rule in rules:
+    ax.plot([], [], "*", color="0.4", markersize=10, linestyle="none", label=rule)
   _shade_training_range(ax, runs)
   _length_axis(ax)
   ax.set_ylabel("accuracy (solid: exact match, dashed: per token)")

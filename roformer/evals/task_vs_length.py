@@ -32,6 +32,7 @@ from roformer import runs
 from roformer.data import synthetic
 from roformer.data.tokenizer import ByteTokenizer
 from roformer.evals import results, task_plots
+from roformer.evals.effective_length import EffectiveRule, describe, task_effective_lengths
 from roformer.evals.perplexity import AUTO_BATCH_TOKENS
 from roformer.posenc import randomized as randomized_positions
 
@@ -144,9 +145,14 @@ def evaluate_tasks(
   step: int | None = None,
   out: str = "",
   position_draws: int = randomized_positions.EVAL_DRAWS,
+  effective: EffectiveRule | None = None,
   log: Callable[[str], None] = print,
 ) -> tuple[dict, epath.Path]:
   """Scores a synthetic-task run at several task lengths; writes DIR/eval/NAME.json and .png.
+
+  The JSON's "effective_length" holds, for exact match and per-token accuracy, the longest
+  length that scores at or above `effective`'s limit, read upward from data.task_max_len
+  (effective_length.py).
 
   Args:
     workdir: a run trained with data.source='synthetic'.
@@ -156,6 +162,8 @@ def evaluate_tasks(
     step: checkpoint step; None = latest.
     out: NAME (default task_vs_length).
     position_draws: draws of positions averaged over, for a run trained with randomized ones.
+    effective: the limit of the effective length; None = EffectiveRule() (0.9 of the score at
+      the training length).
     log: where progress lines go.
 
   Returns:
@@ -171,6 +179,8 @@ def evaluate_tasks(
     )
   if num_examples < 1:
     raise ValueError(f"--task_examples must be >= 1, got {num_examples}")
+  effective = effective or EffectiveRule()
+  effective.check_task_threshold()
   lengths = sorted(set(int(n) for n in lengths)) or default_task_lengths(
     data.task_min_len, data.task_max_len
   )
@@ -241,6 +251,9 @@ def evaluate_tasks(
       "exact_match": grid,
     }
     log("passkey exact match by depth (rows) x length (columns): " + str(grid))
+  result["effective_length"] = task_effective_lengths(result, effective)
+  for metric, label in task_plots.METRIC_LABELS.items():
+    log(f"effective length ({label}): {describe(result['effective_length'][metric])}")
   name = out or DEFAULT_NAME
   json_path = results.write_result(result, workdir / "eval" / f"{name}.json")
   png_path = task_plots.plot_task_runs(

@@ -2,6 +2,7 @@
 scaling, plots."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from configs import default
 from roformer import config as config_lib
 from roformer import runs, testing
 from roformer.evals import ppl_vs_length, results, spec
+from roformer.evals.effective_length import EffectiveRule, perplexity_effective_lengths
 from roformer.infra import checkpoint
 from roformer.nn.model import make_model
 from roformer.testing import REPO
@@ -22,7 +24,7 @@ from roformer.testing import REPO
 SEQ_LEN = 32
 JSON_KEYS = {
   "step", "posenc", "rope_scaling", "attention_window", "notes", "split", "max_tokens",
-  "positions", "records", "per_position",
+  "positions", "records", "per_position", "effective_length",
 }  # fmt: skip
 
 
@@ -108,6 +110,56 @@ def test_evaluate_workdir_writes_design_schema_json_and_png(rope_run):
   assert all(np.isfinite(written["per_position"]["loss"]))
   assert (rope_run / "eval" / "ppl_vs_length_len32-64_tok128.png").read_bytes()[:4] == b"\x89PNG"
   assert any("length 2/2" in line and "tokens/s" in line for line in lines)
+  # The effective length of each protocol, read from the training length 32 up.
+  effective = written["effective_length"]
+  assert effective == json.loads(
+    json.dumps(perplexity_effective_lengths(records, EffectiveRule(), train_length=SEQ_LEN))
+  )
+  assert set(effective) == {"rule", "nonoverlapping", "sliding"}
+  assert effective["nonoverlapping"]["reference_length"] == SEQ_LEN
+  assert sum(line.startswith("effective length (") for line in lines) == 2
+
+
+def test_evaluate_workdir_key_tokens_add_longppl_to_nonoverlapping_records(rope_run):
+  lines = []
+  result, path = _evaluate(rope_run, key_tokens=True, key_short_window=8, log=lines.append)
+  assert path.name == "ppl_vs_length_len32-64_tok128_keytok8.json"
+  assert result["key_tokens"]["short_window"] == 8 and result["key_tokens"]["chunk"] == 2
+  assert "own model" in result["key_tokens"]["evaluator"]
+  flat = [r for r in result["records"] if r["protocol"] == "nonoverlapping"]
+  assert all("key_tokens" not in r for r in result["records"] if r["protocol"] == "sliding")
+  # Candidates: the targets from slot K + S = 10 on of each window of 128 targets.
+  assert [r["key_tokens"]["candidates"] for r in flat] == [4 * (32 - 10), 2 * (64 - 10)]
+  for r in flat:
+    found = r["key_tokens"]
+    assert 0 <= found["count"] <= found["candidates"]
+    assert found["ppl"] is None or found["ppl"] <= math.exp(2.0)  # the LCL condition's bound
+  assert sum("key tokens of" in line for line in lines) == 2
+  # The default short window is a quarter of the training length.
+  default_k, _ = _evaluate(rope_run, lengths=[64], protocol="nonoverlapping", key_tokens=True)
+  assert default_k["key_tokens"]["short_window"] == SEQ_LEN // 4
+
+
+@pytest.mark.parametrize(
+  ("options", "match"),
+  [
+    (dict(key_short_window=8), "--key_short_window=8 needs --key_tokens"),
+    (dict(key_tokens=True, protocol="sliding"), "--key_tokens scores the non-overlapping"),
+    (dict(key_tokens=True, key_short_window=-1), "--key_short_window must be >= 0"),
+  ],
+)
+def test_key_token_options_that_cannot_work_are_one_error(options, match):
+  with pytest.raises(ValueError, match=match):
+    spec.spec_from_options(**options)
+
+
+def test_key_tokens_refuse_encoders_and_randomized_positions(tmp_path):
+  encoder = _make_run(tmp_path, "encoder_run", model_kind="encoder")
+  with pytest.raises(ValueError, match="decoders only"):
+    _evaluate(encoder, key_tokens=True)
+  randomized = _make_run(tmp_path, "randomized_run", randomize_max=64)
+  with pytest.raises(ValueError, match="randomized positions"):
+    _evaluate(randomized, key_tokens=True)
 
 
 def test_evaluate_workdir_rope_scaling_writes_a_separate_file(rope_run):
@@ -187,6 +239,9 @@ def test_default_lengths_and_output_name():
   # An imposed window, and BCA with blocks of the training length by default.
   assert _name(attention_window=64) == "ppl_vs_length_window64"
   assert _name(bca=True) == "ppl_vs_length_bca256"
+  # Key tokens add fields: a name of their own, with the short window (default L / 4).
+  assert _name(key_tokens=True) == "ppl_vs_length_keytok64"
+  assert _name(key_tokens=True, key_short_window=32) == "ppl_vs_length_keytok32"
 
 
 def test_bin_positions_averages_weighted_loss_per_bin():
@@ -320,6 +375,13 @@ def test_evaluate_workdir_resolves_a_relative_workdir(rope_run, monkeypatch):
     (["--workdir=DIR", "--compare=DIR", "--plot=x.png"], "--workdir is not read by --compare"),
     (["--compare=DIR", "--plot=x.png", "--lengths=64"], "--lengths is not read by --compare"),
     (["--workdir=DIR", "--plot=x.png"], "--plot needs --compare"),
+    (
+      ["--workdir=DIR", "--effective_fraction=0.8", "--effective_threshold=10"],
+      "--effective_threshold replaces --effective_fraction",
+    ),
+    (["--workdir=DIR", "--effective_threshold=0.5"], "largest perplexity"),
+    (["--workdir=DIR", "--key_short_window=8"], "--key_short_window=8 needs --key_tokens"),
+    (["--workdir=DIR", "--task_lengths=4", "--key_tokens"], "--key_tokens applies to perplexity"),
     (["--workdir=DIR", "--protocol=nonoverlapping", "--stride=8"], "--stride"),
     (["--workdir="], "--workdir is empty"),
     (

@@ -31,7 +31,7 @@ def _predictor(examples, wrong=()):
 
 @pytest.mark.parametrize("task", synthetic.TASKS)
 def test_a_perfect_predictor_scores_one(task):
-  examples = task_vs_length.eval_examples(task, 5, 7, seed=0)
+  examples = task_vs_length.eval_examples(task, max(5, synthetic.min_length(task)), 7, seed=0)
   got = task_vs_length.score_examples(_predictor(examples), examples, batch_size=3)
   assert got == {"exact_match": 1.0, "token_accuracy": 1.0, "examples": 7}
 
@@ -195,6 +195,42 @@ def test_new_encodings_train_by_config_and_evaluate_at_8x(tmp_path, posenc):
   assert result["positions"]["kind"] == kind
   assert all(("token_accuracy_draws" in r) == randomized for r in result["records"])
   assert os.path.exists(os.path.join(workdir, "eval", "task_vs_length.png"))
+
+
+def test_task_evaluation_records_and_logs_its_effective_length(tmp_path, monkeypatch):
+  from flax import nnx
+
+  from configs import default
+  from roformer import config as config_lib
+  from roformer.evals.effective_length import EffectiveRule, task_effective_lengths
+  from roformer.nn.model import make_model
+
+  config = default.get_config()
+  config.model.num_layers, config.model.emb_dim = 1, 16
+  config.model.num_heads, config.model.mlp_dim = 2, 32
+  config.data.source, config.data.task = "synthetic", "copy"
+  config.data.task_min_len, config.data.task_max_len, config.data.seq_len = 2, 4, 8
+  config_lib.write_config_json(tmp_path, config_lib.run_config_from_dict(config, vocab_size=261))
+  restored = lambda workdir, run_config, model_cfg, step=None: (  # noqa: E731
+    make_model(model_cfg, rngs=nnx.Rngs(0)),
+    5,
+  )
+  monkeypatch.setattr(task_vs_length.runs, "restore_for_eval", restored)
+  lines = []
+  rule = EffectiveRule(threshold=0.25)
+  result, path = task_vs_length.evaluate_tasks(
+    tmp_path, lengths=[2, 4, 8], num_examples=4, effective=rule, log=lines.append
+  )
+  written = json.loads(path.read_text())
+  expected = task_effective_lengths(
+    {k: v for k, v in written.items() if k != "effective_length"}, rule
+  )
+  assert written["effective_length"] == json.loads(json.dumps(expected))
+  assert written["effective_length"]["rule"]["threshold"] == 0.25
+  assert written["effective_length"]["exact_match"]["reference_length"] == 4
+  assert sum(line.startswith("effective length (") for line in lines) == 2
+  with pytest.raises(ValueError, match="least task score"):
+    task_vs_length.evaluate_tasks(tmp_path, lengths=[2], effective=EffectiveRule(threshold=2.0))
 
 
 def test_task_evaluation_refuses_a_perplexity_run(tmp_path):
