@@ -5,6 +5,15 @@ import time
 
 # The tokenizer's vocabulary size, without training one: bytes has 261 ids.
 BYTES_VOCAB = 261
+# The smoke runs' model (CI): 1 layer x 32, 2 heads, 2 x 32 tokens.
+SMOKE_MODEL = {
+  "model.num_layers": 1,
+  "model.emb_dim": 32,
+  "model.num_heads": 2,
+  "model.mlp_dim": 64,
+  "data.seq_len": 32,
+  "train.global_batch_size": 2,
+}
 
 
 def apply_overrides(config, overrides: dict) -> None:

@@ -49,15 +49,7 @@ GRID_MODEL = {
   "data.seq_len": 128,
   "train.global_batch_size": 16,
 }
-SMOKE = {
-  **GRID_MODEL,
-  "model.num_layers": 1,
-  "model.emb_dim": 32,
-  "model.num_heads": 2,
-  "model.mlp_dim": 64,
-  "data.seq_len": 32,
-  "train.global_batch_size": 2,
-}
+SMOKE = {**GRID_MODEL, **bench_step.SMOKE_MODEL}
 
 
 def arm_configs(config, only: list[str]) -> dict:

@@ -52,14 +52,7 @@ flags.DEFINE_bool("smoke", False, "Tiny model and a few steps (a test runs this)
 flags.DEFINE_string("json", "", "Write the tables to this JSON file.")
 FLAGS = flags.FLAGS
 
-SMOKE = {
-  "model.num_layers": 1,
-  "model.emb_dim": 32,
-  "model.num_heads": 2,
-  "model.mlp_dim": 64,
-  "data.seq_len": 32,
-  "train.global_batch_size": 2,
-}
+SMOKE = bench_step.SMOKE_MODEL
 # `%name = shape opcode(...)... metadata={op_name="..."`: one HLO instruction.
 _INSTRUCTION = re.compile(
   r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([\w\-]+)\((.*?)metadata=\{op_name=\"([^\"]*)\""

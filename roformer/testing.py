@@ -184,8 +184,12 @@ def tiny_config(overrides: dict | None = None, config_file: str = "configs/defau
   spec = importlib.util.spec_from_file_location("config_module", REPO / config_file)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  config = module.get_config()
-  for name, value in {**TINY_TRAIN, **(overrides or {})}.items():
+  return set_fields(module.get_config(), {**TINY_TRAIN, **(overrides or {})})
+
+
+def set_fields(config, overrides: dict):
+  """`config` (a ConfigDict) with each dotted name of `overrides` set, nested groups too."""
+  for name, value in overrides.items():
     group, _, field = name.rpartition(".")
     node = config
     for part in group.split("."):

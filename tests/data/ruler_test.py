@@ -11,21 +11,13 @@ import pytest
 from roformer.data import ruler, synthetic
 from roformer.data.config import DataConfig
 from roformer.errors import DataError
+from tests.data import synthetic_test
 
 RULER = ruler.TASKS
 
 
-class PresetRng:
-  """Stands in for np.random.Generator: preset draws in order (to build examples by hand)."""
-
-  def __init__(self, *draws):
-    self.draws = list(draws)
-
-  def choice(self, a, size=None, replace=True):
-    return np.asarray(self.draws.pop(0))
-
-  def integers(self, low, high=None, size=None):
-    return np.asarray(self.draws.pop(0))
+class PresetRng(synthetic_test.PresetRng):
+  """synthetic_test's preset draws, with permutation too."""
 
   def permutation(self, x):
     return np.asarray(self.draws.pop(0))

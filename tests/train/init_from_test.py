@@ -83,13 +83,7 @@ def _config(hf_dir, overrides=None, *, from_checkpoint=True):
     config = default.get_config()
     config.data.tokenizer = str(hf_dir / "tokenizer.json")
     config.train.init_from = str(hf_dir)
-  for name, value in {**FINE_TUNE, **(overrides or {})}.items():
-    group, _, field = name.rpartition(".")
-    node = config
-    for part in group.split("."):
-      node = node[part]
-    node[field] = value
-  return config
+  return testing.set_fields(config, {**FINE_TUNE, **(overrides or {})})
 
 
 def _first_batch_loss(model, workdir) -> float:
