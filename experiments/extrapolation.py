@@ -191,19 +191,19 @@ def grid_runs(scale: Scale, only: set[str]) -> list[grid.Run]:
     runs.append(
       grid.Run(f"{enc}_short_seed1", enc, overrides, [grid.Eval("none", at_l)], budget="seed")
     )
+  curve = dict(evaluate, protocol="nonoverlapping")  # the newer arms' curves (as the scalings')
   for enc, kinds in EVAL_QUERY_SCALES.items():
     if only and enc not in only:
       continue
     for kind in kinds:
-      evals = [grid.Eval(kind, dict(evaluate, protocol="nonoverlapping", query_scale=kind))]
+      evals = [grid.Eval(kind, dict(curve, query_scale=kind))]
       runs.append(grid.Run(f"{enc}_{kind}", enc, {}, evals, eval_of=enc, budget="eval"))
   for name, (enc, arm) in frontier_arms(L).items():
     if only and name not in only:
       continue
-    evals = [grid.Eval("none", dict(evaluate, protocol="nonoverlapping"))]
+    evals = [grid.Eval("none", curve)]
     if name == "resonance":  # Resonance YaRN: YaRN's frequencies, each wavelength rounded
-      yarn = dict(evaluate, protocol="nonoverlapping", rope_scaling="yarn", rope_factor="auto")
-      evals.append(grid.Eval("yarn", yarn))
+      evals.append(grid.Eval("yarn", dict(curve, rope_scaling="yarn", rope_factor="auto")))
     overrides = {"posenc.kind": enc, "train.num_train_steps": scale.steps, **arm}
     runs.append(grid.Run(name, enc, overrides, evals, budget="frontier"))
   for name, enc in RECALIBRATIONS.items():
@@ -214,9 +214,9 @@ def grid_runs(scale: Scale, only: set[str]) -> list[grid.Run]:
       "train.num_train_steps": scale.finetune_steps,
       "optim.warmup_steps": max(1, scale.finetune_steps // 10),
     }
-    evals = [grid.Eval("none", dict(evaluate, protocol="nonoverlapping"))]
+    evals = [grid.Eval("none", curve)]
     if enc == "nope":
-      evals.append(grid.Eval("logn", dict(evaluate, protocol="nonoverlapping", query_scale="logn")))
+      evals.append(grid.Eval("logn", dict(curve, query_scale="logn")))
     runs.append(grid.Run(name, enc, overrides, evals, init_from="rope", budget="finetune"))
   if not only or "rope" in only:
     for kind in FINETUNES:

@@ -336,10 +336,11 @@ def _run_grid(runs, base, common, out, workroot, report, adopt) -> list[dict]:
       raise SystemExit(f"{run.name} starts from {parent}, which this grid does not run")
     if run.init_from:
       overrides["train.init_from"] = str(workdirs[run.init_from])
-    if run.eval_of:
-      overrides = configs[run.eval_of]["overrides"]
-    config = None if run.skip_reason else make_config(base, overrides)
-    configs[run.name] = {"overrides": overrides, "config": config, "path": path}
+    if run.eval_of:  # the evaluated run's config, as it trained
+      overrides, config = configs[run.eval_of]
+    else:
+      config = None if run.skip_reason else make_config(base, overrides)
+    configs[run.name] = overrides, config
     settings = run_settings(
       config.to_dict() if config is not None else {"skipped": run.skip_reason},
       [dataclasses.asdict(ev) for ev in run.evals],
@@ -363,16 +364,16 @@ def _run_grid(runs, base, common, out, workroot, report, adopt) -> list[dict]:
       records.append(record)
       continue
     if parent:
-      _restore(parent, configs[parent], workdirs[parent])
+      _restore(parent, configs[parent][1], workdirs[parent], out / f"{parent}.json")
     doing = f"evaluating {run.eval_of}" if run.eval_of else f"training ({run.budget})"
     started = progress.begin(index, run, doing)
-    t0 = time.time()
     if run.eval_of:  # nothing to train: the evaluated run's final evaluation stands
-      last_eval = json.loads(configs[run.eval_of]["path"].read_text()).get("final_eval", {})
+      last_eval = json.loads((out / f"{run.eval_of}.json").read_text()).get("final_eval", {})
+      train_seconds, metrics = 0.0, []
     else:
+      t0 = time.time()
       last_eval = train_to_end(run.name, config, workdir)
-    train_seconds = time.time() - t0 if not run.eval_of else 0.0
-    metrics = [] if run.eval_of else _read_metrics(workdir)
+      train_seconds, metrics = time.time() - t0, _read_metrics(workdir)
     evaluations = []
     for ev in run.evals:
       evaluations.append(_evaluate(workdir, ev))
@@ -455,18 +456,17 @@ def train_to_end(name: str, config, workdir: pathlib.Path) -> dict:
   return last_eval
 
 
-def _restore(name: str, parent: dict, workdir: pathlib.Path) -> None:
+def _restore(name: str, config, workdir: pathlib.Path, record_path: pathlib.Path) -> None:
   """Retrains a finished run whose workdir is gone (workdirs live in a per-machine cache; the
   committed results do not hold checkpoints) before a run starts from it, and says how far the
   new final loss is from the recorded one (training is deterministic for one seed on one
   platform, so the two agree to float rounding there)."""
-  config = parent["config"]
   trained = max((m["step"] for m in _read_metrics(workdir) if "train_loss" in m), default=0)
   if trained >= config.train.num_train_steps:
     return
   print(f"  {name}: its workdir {workdir} has no final checkpoint; retraining it", flush=True)
   last_eval = train_to_end(name, config, workdir)
-  recorded = json.loads(parent["path"].read_text()).get("final_eval", {})
+  recorded = json.loads(record_path.read_text()).get("final_eval", {})
   if "loss" in recorded and "loss" in last_eval:
     diff = float(last_eval["loss"]) - float(recorded["loss"])
     print(f"  {name}: final eval loss {last_eval['loss']:.6f}, recorded "
