@@ -10,6 +10,7 @@ The logic lives in roformer/evals/ (ppl_vs_length.py, task_vs_length.py, perplex
   python eval.py --compare=DIR1,DIR2 --plot=FILE.png
   python eval.py --workdir=DIR --task_lengths=8,32,256   # synthetic-task runs: accuracy vs length
   python eval.py --workdir=DIR --task_lengths=default --effective_threshold=0.856  # RULER's limit
+  python eval.py --workdir=DIR --task_lengths=default --extend=dca --extend_chunk=96  # + extension
   python eval.py --compare=DIR1,DIR2 --plot=FILE.png --out=task_vs_length
 """
 
@@ -116,6 +117,11 @@ WORKDIR_FLAGS = (
   "effective_threshold", "key_tokens", "key_short_window", *extend_flags.NAMES,
 )  # fmt: skip
 # --overwrite is read by both modes: --workdir's JSON and PNG, --compare's --plot.
+# Flags of perplexity evaluation that --task_lengths does not read (an error with it).
+PERPLEXITY_FLAGS = (
+  "lengths", "protocol", "stride", "max_tokens", "split", "data_files", "bca", "query_scale",
+  "key_tokens", "key_short_window",
+)  # fmt: skip
 
 
 def _check_flag_combinations() -> None:
@@ -139,12 +145,10 @@ def _check_flag_combinations() -> None:
     raise ValueError(
       "--effective_threshold replaces --effective_fraction with an absolute limit; give one"
     )
-  if FLAGS.task_lengths and any(given(n) for n in extend_flags.NAMES):
-    raise ValueError("--extend applies to perplexity evaluation, not --task_lengths")
-  if FLAGS.task_lengths and (given("key_tokens") or given("key_short_window")):
-    raise ValueError("--key_tokens applies to perplexity evaluation, not --task_lengths")
-  if FLAGS.task_lengths and given("query_scale"):
-    raise ValueError("--query_scale applies to perplexity evaluation, not --task_lengths")
+  if FLAGS.task_lengths:
+    for name in PERPLEXITY_FLAGS:
+      if given(name):
+        raise ValueError(f"--{name} applies to perplexity evaluation, not --task_lengths")
   if FLAGS.hf_model:
     for name in ("step", "task_lengths"):
       if given(name):
@@ -197,6 +201,14 @@ def main(argv):
       lengths = [] if FLAGS.task_lengths == ["default"] else FLAGS.task_lengths
       if not all(x.strip().isdigit() for x in lengths):
         raise ValueError(f"--task_lengths must be positive integers or 'default', got {lengths}")
+      # The model overrides of perplexity evaluation, checked and parsed the same way.
+      overrides = spec_lib.spec_from_options(
+        rope_scaling=FLAGS.rope_scaling,
+        rope_factor=FLAGS.rope_factor,
+        attention_window=FLAGS.window,
+        extend=extend_flags.values(FLAGS)[0],
+        extend_fields=extend_flags.values(FLAGS)[1],
+      )
       task_vs_length.evaluate_tasks(
         FLAGS.workdir,
         lengths=[int(x) for x in lengths],
@@ -206,6 +218,9 @@ def main(argv):
         out=FLAGS.out,
         position_draws=FLAGS.position_draws,
         effective=effective,
+        rope=overrides.rope,
+        window=overrides.window,
+        extension=overrides.extension,
         log=lambda line: print(line, flush=True),
       )
       return

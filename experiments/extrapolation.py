@@ -247,13 +247,11 @@ def grid_runs(scale: Scale, only: set[str]) -> list[grid.Run]:
   return runs
 
 
-def main():
-  args, only, out, workroot = grid.parse_cli(
-    __doc__, name="extrapolation", scales=SCALES, encodings=ARMS
-  )
-  scale = SCALES[args.scale]
-  common = {
-    **grid.corpus_overrides(args.corpus),
+def common_overrides(scale: Scale, corpus: str) -> dict:
+  """The settings every run of the grid shares (experiments/extension.py trains its rope run
+  with them too)."""
+  return {
+    **grid.corpus_overrides(corpus),
     "model.kind": "decoder",
     "model.embed_scale": "sqrt_d",
     "data.tokenizer": "bytes",
@@ -264,6 +262,14 @@ def main():
     "train.checkpoint_every_steps": max(1, scale.steps // 5),
     **scale.overrides,
   }
+
+
+def main():
+  args, only, out, workroot = grid.parse_cli(
+    __doc__, name="extrapolation", scales=SCALES, encodings=ARMS
+  )
+  scale = SCALES[args.scale]
+  common = common_overrides(scale, args.corpus)
   runs = grid_runs(scale, only)
   batch = grid.make_config(scale.base, common).train.global_batch_size
   for run in runs:  # fine-tunes read twice the length: half the sequences per step

@@ -104,8 +104,9 @@ def default_workroot(name: str, out: pathlib.Path) -> pathlib.Path:
   return cache_root() / "experiments" / f"{name}_{out.resolve().name}_{key}"
 
 
-def parse_cli(doc: str, *, name: str, scales, encodings: Sequence[str]):
-  """The drivers' command line: --scale, --corpus, --only, --out, --workroot, --adopt.
+def parse_cli(doc: str, *, name: str, scales, encodings: Sequence[str], extra_args=None):
+  """The drivers' command line: --scale, --corpus, --only, --out, --workroot, --adopt, and the
+  driver's own arguments, which `extra_args(parser)` adds.
 
   Returns:
     (args, the set of encodings to run (empty = all), OUT, the root of the run workdirs).
@@ -123,6 +124,8 @@ def parse_cli(doc: str, *, name: str, scales, encodings: Sequence[str]):
     action="store_true",
     help="record today's settings in run JSONs written before runs recorded them",
   )
+  if extra_args is not None:
+    extra_args(parser)
   args = parser.parse_args()
   only = {x for x in args.only.split(",") if x}
   unknown = only - set(encodings)
@@ -426,18 +429,33 @@ def finished_records(runs: Sequence[Run], out: pathlib.Path) -> list[dict]:
 
 
 def _evaluate(workdir: pathlib.Path, ev: Eval) -> dict:
-  from roformer.evals import ppl_vs_length
+  """eval.py's evaluation `ev` of the run in `workdir`: perplexity, or with "task_lengths" in
+  its options the task scores (`evals.task_vs_length`; "task_examples" examples per length)."""
+  from roformer.evals import ppl_vs_length, task_vs_length
   from roformer.evals import spec as spec_lib
 
   name = f"grid_{ev.scaling}"
   existing = workdir / "eval" / f"{name}.json"
+  log = lambda line: print("    " + line, flush=True)  # noqa: E731
   if existing.exists():
     result = json.loads(existing.read_text())
+  elif "task_lengths" in ev.kwargs:
+    kwargs = dict(ev.kwargs)
+    lengths, examples = kwargs.pop("task_lengths"), kwargs.pop("task_examples", 128)
+    overrides = spec_lib.spec_from_options(**kwargs)
+    result, _ = task_vs_length.evaluate_tasks(
+      workdir,
+      lengths=lengths,
+      num_examples=examples,
+      out=name,
+      rope=overrides.rope,
+      window=overrides.window,
+      extension=overrides.extension,
+      log=log,
+    )
   else:
     spec = spec_lib.spec_from_options(out=name, **ev.kwargs)
-    result, _ = ppl_vs_length.evaluate_workdir(
-      workdir, spec, log=lambda line: print("    " + line, flush=True)
-    )
+    result, _ = ppl_vs_length.evaluate_workdir(workdir, spec, log=log)
   return {"scaling": ev.scaling, "result": result}
 
 

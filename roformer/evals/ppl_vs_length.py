@@ -26,7 +26,7 @@ from roformer.posenc.config import EXTENSION_FIELDS
 MAX_POSITION_POINTS = 256
 
 
-def label_notes(model_cfg, *, trained_window: int, stride: int, protocols) -> list[str]:
+def label_notes(model_cfg, *, trained_window: int, stride: int = 0, protocols=()) -> list[str]:
   """What a curve's label must say to be read right: the attention window in force, an
   encoding's paper setting left out (xPos without BCA), the sliding stride."""
   notes = []

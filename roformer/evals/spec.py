@@ -211,6 +211,27 @@ def extension_suffix(extension: ContextExtension) -> str:
   return f"_{extension.kind}{numbers}"
 
 
+def overrides_suffix(
+  *,
+  rope: RopeOverride | None = None,
+  window: int = 0,
+  window_name: str = "window",
+  extension: ContextExtension | None = None,
+) -> str:
+  """The name suffix of the model overrides an evaluation applies: a RoPE scaling
+  (`_<scaling>_<factor>`, factor "auto" too), an attention window (`_window<W>`, `_bca<W>`) and a
+  context extension (`_<kind>_<field><N>...`); "" for none."""
+  suffix = ""
+  if rope is not None:
+    factor = rope.factor
+    suffix += f"_{rope.kind}_{factor if factor == AUTO_FACTOR else f'{float(factor):g}'}"
+  if window:
+    suffix += f"_{window_name}{window}"
+  if extension is not None:
+    suffix += extension_suffix(extension)
+  return suffix
+
+
 def output_name(spec: EvalSpec, *, seq_len: int) -> str:
   """NAME of DIR/eval/NAME.json: `spec.out`, else ppl_vs_length with a suffix per non-default
   choice.
@@ -236,14 +257,12 @@ def output_name(spec: EvalSpec, *, seq_len: int) -> str:
     name += f"_stride{spec.stride}"
   if spec.max_tokens != DEFAULT_MAX_TOKENS:
     name += f"_tok{spec.max_tokens}"
-  if spec.rope is not None:
-    factor = spec.rope.factor
-    name += f"_{spec.rope.kind}_{factor if factor == AUTO_FACTOR else f'{float(factor):g}'}"
-  window = spec.window_for(seq_len)
-  if window:
-    name += f"_{'bca' if spec.bca else 'window'}{window}"
-  if spec.extension is not None:
-    name += extension_suffix(spec.extension)
+  name += overrides_suffix(
+    rope=spec.rope,
+    window=spec.window_for(seq_len),
+    window_name="bca" if spec.bca else "window",
+    extension=spec.extension,
+  )
   if spec.query_scale != "none":
     name += f"_qscale_{spec.query_scale}"
   if spec.key_tokens:

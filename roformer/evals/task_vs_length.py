@@ -18,6 +18,7 @@ Writes DIR/eval/task_vs_length.json and .png, and for passkey DIR/eval/passkey_h
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 
@@ -34,7 +35,10 @@ from roformer.data.tokenizer import ByteTokenizer
 from roformer.evals import results, task_plots
 from roformer.evals.effective_length import EffectiveRule, describe, task_effective_lengths
 from roformer.evals.perplexity import AUTO_BATCH_TOKENS
+from roformer.evals.ppl_vs_length import label_notes
+from roformer.evals.spec import RopeOverride, factor_at, overrides_suffix
 from roformer.posenc import randomized as randomized_positions
+from roformer.posenc.config import ContextExtension
 
 DEFAULT_NAME = task_plots.DEFAULT_NAME
 PASSKEY_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -146,9 +150,15 @@ def evaluate_tasks(
   out: str = "",
   position_draws: int = randomized_positions.EVAL_DRAWS,
   effective: EffectiveRule | None = None,
+  rope: RopeOverride | None = None,
+  window: int = 0,
+  extension: ContextExtension | None = None,
   log: Callable[[str], None] = print,
 ) -> tuple[dict, epath.Path]:
   """Scores a synthetic-task run at several task lengths; writes DIR/eval/NAME.json and .png.
+
+  RoPE scalings, attention windows and context extensions apply as in perplexity evaluation
+  (`runs.eval_model_config`); an "auto" factor is an example's length over data.seq_len.
 
   The JSON's "effective_length" holds, for exact match and per-token accuracy, the longest
   length that scores at or above `effective`'s limit, read upward from data.task_max_len
@@ -160,10 +170,13 @@ def evaluate_tasks(
     num_examples: examples per length (and per depth for passkey's heatmap).
     batch_size: examples per forward pass; 0 = about 16k tokens per pass.
     step: checkpoint step; None = latest.
-    out: NAME (default task_vs_length).
+    out: NAME (default task_vs_length, with `spec.overrides_suffix` for the overrides below).
     position_draws: draws of positions averaged over, for a run trained with randomized ones.
     effective: the limit of the effective length; None = EffectiveRule() (0.9 of the score at
       the training length).
+    rope: a RoPE scaling applied at evaluation; None = as trained.
+    window: a sliding attention window imposed at evaluation (0 = as trained).
+    extension: a training-free context extension applied at evaluation; None = none.
     log: where progress lines go.
 
   Returns:
@@ -186,9 +199,22 @@ def evaluate_tasks(
   )
   if lengths[0] < 1:
     raise ValueError(f"--task_lengths must be positive, got {lengths}")
-  model_cfg = runs.eval_model_config(run_config.model, seq_len=data.seq_len)
+
+  def config_at(n: int):
+    tokens = synthetic.example_length(data.task, n) - 1
+    return runs.eval_model_config(
+      run_config.model,
+      seq_len=data.seq_len,
+      rope_scaling=rope.kind if rope else "none",
+      rope_factor=factor_at(rope.factor, tokens, data.seq_len) if rope else 1.0,
+      attention_window=window,
+      extension=extension,
+    )
+
+  model_cfg = config_at(lengths[0])
   model, step = runs.restore_for_eval(workdir, run_config, model_cfg, step=step)
   predict = make_predict(model)
+  notes = label_notes(model_cfg, trained_window=run_config.model.attention_window, protocols=())
   seed = run_config.train.seed
   randomize_max = model_cfg.posenc.randomize_max
   positions = randomized_positions.protocol(randomize_max, position_draws)
@@ -200,6 +226,8 @@ def evaluate_tasks(
       if randomize_max
       else ""
     )
+    + "".join(f", {note}" for note in notes)
+    + (f", RoPE scaling {rope.kind} factor {rope.factor}" if rope else "")
   )
 
   def score(n, depth=None):
@@ -220,6 +248,10 @@ def evaluate_tasks(
   records = []
   for i, n in enumerate(lengths, start=1):
     prefix = f"length {i}/{len(lengths)} n={n}"
+    length_cfg = config_at(n)
+    if length_cfg != model_cfg:  # an "auto" factor: same parameters, another scaling
+      model, model_cfg = runs.with_config(model, length_cfg), length_cfg
+      predict = make_predict(model)
     reason = unsupported(model_cfg, data.task, n)
     if reason:
       records.append({"length": n, "skipped": reason})
@@ -240,8 +272,13 @@ def evaluate_tasks(
     "positions": positions,
     "task": data.task,
     "train_lengths": [data.task_min_len, data.task_max_len],
+    "rope_scaling": {"kind": rope.kind, "factor": rope.factor} if rope else None,
+    "attention_window": {"kind": "sliding", "size": window} if window else None,
+    "notes": notes,
     "records": records,
   }
+  if extension is not None:
+    result["context_extension"] = dataclasses.asdict(extension)
   if data.task == "passkey":
     scored = [r["length"] for r in records if "skipped" not in r]
     grid = [[score(n, depth)["exact_match"] for n in scored] for depth in PASSKEY_DEPTHS]
@@ -254,7 +291,7 @@ def evaluate_tasks(
   result["effective_length"] = task_effective_lengths(result, effective)
   for metric, label in task_plots.METRIC_LABELS.items():
     log(f"effective length ({label}): {describe(result['effective_length'][metric])}")
-  name = out or DEFAULT_NAME
+  name = out or DEFAULT_NAME + overrides_suffix(rope=rope, window=window, extension=extension)
   json_path = results.write_result(result, workdir / "eval" / f"{name}.json")
   png_path = task_plots.plot_task_runs(
     [(task_plots.run_label(workdir.name, result), result)],

@@ -382,6 +382,8 @@ def test_evaluate_workdir_resolves_a_relative_workdir(rope_run, monkeypatch):
     (["--workdir=DIR", "--effective_threshold=0.5"], "largest perplexity"),
     (["--workdir=DIR", "--key_short_window=8"], "--key_short_window=8 needs --key_tokens"),
     (["--workdir=DIR", "--task_lengths=4", "--key_tokens"], "--key_tokens applies to perplexity"),
+    (["--workdir=DIR", "--task_lengths=4", "--bca"], "--bca applies to perplexity"),
+    (["--workdir=DIR", "--task_lengths=4", "--lengths=64"], "--lengths applies to perplexity"),
     (["--workdir=DIR", "--protocol=nonoverlapping", "--stride=8"], "--stride"),
     (["--workdir="], "--workdir is empty"),
     (

@@ -217,3 +217,58 @@ def test_a_finished_run_keeps_its_recorded_workdir_when_fields_were_added_since(
   # The parent's recorded workdir had no checkpoint: it was retrained there, then b started.
   assert trained == [("a", ""), ("b", str(recorded_workdir))]
   assert (recorded_workdir / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_extension_grid_scores_each_method_by_perplexity_and_task_and_resumes(tmp_path):
+  out, workroot = tmp_path / "out", tmp_path / "runs"
+  only = ("--only=yarn,dca,sinks,window", "--tasks=passkey")
+  proc = _run("extension.py", out, workroot, *only)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  names = {"yarn", "dca", "sinks", "window"}
+  assert {p.stem for p in out.glob("*.json")} == {"rope"} | {f"rope_{m}" for m in names}
+  assert {p.stem for p in (out / "tasks").glob("*.json")} == {"passkey"} | {
+    f"passkey_{m}" for m in names
+  }
+  for name in ("results.csv", "tasks.csv", "table.md", "perplexity.png", "passkey.png"):
+    assert (out / name).stat().st_size > 0, name
+  dca = json.loads((out / "rope_dca.json").read_text())
+  assert dca["eval_of"] == "rope" and dca["train_seconds"] == 0.0
+  # Training length 16: DCA's chunks of 3L/4 = 12 and local window of max(1, L/32) = 1.
+  assert dca["evaluations"][0]["result"]["context_extension"]["chunk"] == 12
+  with (out / "tasks.csv").open() as f:
+    rows = list(csv.DictReader(f))
+  assert {r["method"] for r in rows} == {"plain"} | names
+  task_sinks = json.loads((out / "tasks" / "passkey_sinks.json").read_text())
+  assert task_sinks["evaluations"][0]["result"]["context_extension"]["kind"] == "sinks"
+  table = (out / "table.md").read_text()
+  assert "| dca | chunk 12, local 1 |" in table and "## passkey: exact match" in table
+  rerun = _run("extension.py", out, workroot, *only)
+  assert rerun.returncode == 0, rerun.stderr[-3000:]
+  assert rerun.stdout.count("done (skipped)") == 10
+
+
+@pytest.mark.slow
+def test_extension_grid_on_a_pretrained_decoder_scores_each_method(tmp_path):
+  from tests.e2e.eval_extend_test import _hf_dir
+
+  model = _hf_dir(tmp_path)
+  config = json.loads((model / "config.json").read_text())
+  config["max_position_embeddings"] = 16  # L: the methods' settings and lengths 16..256
+  (model / "config.json").write_text(json.dumps(config))
+  out = tmp_path / "out"
+  args = [f"--hf_model={model}", f"--data_files={tmp_path / 'text' / '*.txt'}", "--max_tokens=256"]
+  proc = _run("extension.py", out, tmp_path / "runs", *args, "--only=plain,yarn,self_extend")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert {p.stem for p in out.glob("hf_*.json")} == {"hf_plain", "hf_yarn", "hf_self_extend"}
+  self_extend = json.loads((out / "hf_self_extend.json").read_text())
+  result = self_extend["evaluations"][0]["result"]
+  # W = L/4 = 4; G the smallest with (L - W) G + W >= 256: 21.
+  assert result["context_extension"]["window"] == 4 and result["context_extension"]["group"] == 21
+  assert [r["length"] for r in result["records"]] == [16, 32, 64, 128, 256]
+  table = (out / "table.md").read_text()
+  assert "| self_extend | window 4, group 21 |" in table
+  # The fixture's own llama3 scaling is what "plain" evaluates.
+  assert "| plain | as trained (llama3, factor 8.0) |" in table
+  missing = _run("extension.py", out, tmp_path / "runs", f"--hf_model={model}")
+  assert missing.returncode != 0 and "--data_files" in missing.stderr

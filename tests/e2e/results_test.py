@@ -11,6 +11,8 @@ import pytest
 from roformer.testing import REPO
 
 sys.path.insert(0, str(REPO / "experiments"))
+import extension  # noqa: E402
+import extension_report  # noqa: E402
 import extrapolation  # noqa: E402
 import grid  # noqa: E402
 import mlm  # noqa: E402
@@ -26,6 +28,17 @@ TABLE_MARK = re.compile(r"<!-- from (results/\S+/table\.md) -->")
 def _regenerate(directory, tmp_path):
   """Rewrites OUT's report from its JSONs into tmp_path, as the driver does after each run."""
   scale, seq_len = report.read_header(directory)
+  if directory.parent.name == "extension":
+    runs = extension.perplexity_runs(extrapolation.SCALES[scale], set())
+    task_scale = extension.TASK_SCALES[scale]
+    tasks = {
+      task: grid.finished_records(extension.task_runs(task_scale, task, set()), directory / "tasks")
+      for task in task_scale.tasks
+    }
+    records = grid.finished_records(runs, directory)
+    assert records, f"{directory}: no run JSONs"
+    extension_report.write_extension(records, tasks, tmp_path, seq_len=seq_len, scale=scale)
+    return
   if directory.parent.name == "extrapolation":
     runs = extrapolation.grid_runs(extrapolation.SCALES[scale], set())
     write = report.write_extrapolation
@@ -40,8 +53,9 @@ def _regenerate(directory, tmp_path):
 @pytest.mark.parametrize("directory", GRID_DIRS, ids=lambda p: str(p.relative_to(RESULTS)))
 def test_committed_csv_and_table_are_what_the_run_jsons_give(directory, tmp_path):
   _regenerate(directory, tmp_path)
-  for name in ("results.csv", "table.md"):
-    assert (tmp_path / name).read_text() == (directory / name).read_text(), name
+  for name in ("results.csv", "tasks.csv", "table.md"):
+    if (directory / name).exists() or name != "tasks.csv":
+      assert (tmp_path / name).read_text() == (directory / name).read_text(), name
 
 
 def test_readme_results_tables_are_copied_from_the_committed_tables():

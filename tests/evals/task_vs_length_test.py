@@ -240,3 +240,97 @@ def test_task_evaluation_refuses_a_perplexity_run(tmp_path):
   config_lib.write_config_json(tmp_path, config_lib.run_config_from_dict(default.get_config()))
   with pytest.raises(ValueError, match="trained with data.source='pystdlib'"):
     task_vs_length.evaluate_tasks(tmp_path, lengths=[4])
+
+
+def _tiny_passkey_run(tmp_path, monkeypatch, seen_configs):
+  """A 1-layer RoPE passkey run (written config, random weights) whose restored and rebuilt
+  models record the ModelConfig they were built from."""
+  from flax import nnx
+
+  from configs import default
+  from roformer import config as config_lib
+  from roformer.nn.model import make_model
+
+  config = default.get_config()
+  config.model.num_layers, config.model.emb_dim = 1, 16
+  config.model.num_heads, config.model.mlp_dim = 2, 32
+  config.posenc.kind = "rope"
+  config.data.source, config.data.task = "synthetic", "passkey"
+  config.data.task_min_len, config.data.task_max_len = 4, 8
+  config.data.seq_len = synthetic.example_length("passkey", 8) - 1
+  config_lib.write_config_json(tmp_path, config_lib.run_config_from_dict(config, vocab_size=261))
+
+  def restored(workdir, run_config, model_cfg, step=None):
+    seen_configs.append(model_cfg)
+    return make_model(model_cfg, rngs=nnx.Rngs(0)), 5
+
+  real_with_config = task_vs_length.runs.with_config
+
+  def with_config(model, cfg):
+    seen_configs.append(cfg)
+    return real_with_config(model, cfg)
+
+  monkeypatch.setattr(task_vs_length.runs, "restore_for_eval", restored)
+  monkeypatch.setattr(task_vs_length.runs, "with_config", with_config)
+  return config.data.seq_len
+
+
+def test_task_evaluation_applies_a_scaling_per_length_and_an_extension(tmp_path, monkeypatch):
+  from roformer.evals.spec import RopeOverride
+  from roformer.posenc.config import ContextExtension
+
+  seen = []
+  seq_len = _tiny_passkey_run(tmp_path, monkeypatch, seen)
+  lengths = [4, 8, 32]
+  result, path = task_vs_length.evaluate_tasks(
+    tmp_path, lengths=lengths, num_examples=2, rope=RopeOverride("yarn", "auto"),
+    log=lambda _: None,
+  )  # fmt: skip
+  assert path.name == "task_vs_length_yarn_auto.json"
+  assert result["rope_scaling"] == {"kind": "yarn", "factor": "auto"}
+  # "auto": each length's example tokens over the training length, at least 1.
+  factors = {c.posenc.scaling.factor for c in seen if c.posenc.scaling.kind == "yarn"}
+  expected = {max(1.0, (synthetic.example_length("passkey", n) - 1) / seq_len) for n in lengths}
+  assert factors == expected and len(expected) == 2
+  assert all(c.posenc.scaling.original_max_len == seq_len for c in seen)
+
+  seen.clear()
+  ext = ContextExtension("sinks", sinks=1, window=6)
+  result, path = task_vs_length.evaluate_tasks(
+    tmp_path, lengths=[4, 8], num_examples=2, extension=ext, window=0, log=lambda _: None
+  )
+  assert path.name == "task_vs_length_sinks_sinks1_window6.json"
+  assert result["context_extension"]["kind"] == "sinks" and seen
+  assert all(c.posenc.extension == ext for c in seen)
+  assert "sinks (sinks 1, window 6)" in result["notes"]
+
+
+def test_task_evaluation_with_an_extension_covering_every_key_scores_as_plain(
+  tmp_path, monkeypatch
+):
+  from roformer.posenc.config import ContextExtension
+
+  _tiny_passkey_run(tmp_path, monkeypatch, [])
+  real_make_predict = task_vs_length.make_predict
+
+  def predictions(**kwargs):
+    """The greedy predictions of every scored batch (a random model scores 0 everywhere)."""
+    out = []
+
+    def make_predict(model):
+      predict = real_make_predict(model)
+      return lambda *a: out.append(np.asarray(predict(*a))) or out[-1]
+
+    monkeypatch.setattr(task_vs_length, "make_predict", make_predict)
+    task_vs_length.evaluate_tasks(
+      tmp_path, lengths=[4, 8, 16], num_examples=8, log=lambda _: None, **kwargs
+    )
+    return np.concatenate([p.ravel() for p in out])
+
+  plain = predictions()
+  # Every key within the recent window: the sinks' pieces are the plain causal attention.
+  wide = predictions(extension=ContextExtension("sinks", sinks=1, window=4096))
+  narrow = predictions(extension=ContextExtension("rerope", window=1))
+  np.testing.assert_array_equal(wide, plain)
+  # Negative control: every distance clamped to 1 changes the predictions.
+  assert np.mean(narrow != plain) > 0.05

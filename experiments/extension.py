@@ -1,0 +1,229 @@
+"""Training-free context extension compared on one RoPE decoder: every `--extend` kind and every
+RoPE scaling, perplexity from L to 16L and long-context tasks to 8x their training lengths.
+
+Perplexity: the extrapolation grid's `rope` run (the same settings: corpus, model, budget and
+seed; retrained here into this grid's own workdir), then each method applied to its final
+checkpoint at evaluation, nothing trained: Position Interpolation, NTK, dynamic NTK, YaRN and
+Llama 3 (factor = length / L at each length), Self-Extend, Dual Chunk Attention, ReRoPE, STRING,
+StreamingLLM's attention sinks, and the plain sliding window of the sinks' cache size (the sinks'
+control). Each method takes the settings its paper gives in units of the training length L
+(`methods`). LongRoPE is not an arm: its per-dimension factors come from a search on the model
+(they are read from a pretrained model's config.json, `eval.py --hf_model`).
+
+Tasks: a RoPE decoder trained on each task (the synthetic grid's model and budget, training
+lengths as there), then scored at the default task lengths under each method: passkey (RULER's
+single needle in a noise haystack) and RULER's multi-key needle in a haystack.
+
+  python experiments/extension.py [--scale=tiny|cpu] [--corpus=pystdlib|sotu] [--only=yarn,dca]
+      [--tasks=passkey,niah_multikey] [--out=DIR] [--workroot=DIR]
+  python experiments/extension.py --hf_model=HF_DIR --data_files=GLOB --out=DIR  # a pretrained
+      # decoder (its tokenizer.json; L = its max_position_embeddings); perplexity only
+
+Writes OUT (default results/extension/<corpus>): <run>.json per run, results.csv (perplexity),
+tasks.csv (task scores), table.md, perplexity.png and <task>.png. Finished runs are skipped, so
+a killed grid resumes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import extension_report  # noqa: E402
+import extrapolation  # noqa: E402
+import grid  # noqa: E402
+import synthetic  # noqa: E402
+
+from roformer.data import synthetic as synthetic_data  # noqa: E402
+
+SCALINGS = ("linear", "ntk", "dynamic", "yarn", "llama3")
+EXTENSIONS = ("self_extend", "dca", "rerope", "string", "sinks")
+METHODS = ("plain", *SCALINGS, *EXTENSIONS, "window")
+SINKS = 4  # StreamingLLM's attention sinks
+
+
+def _task_scale(name: str, tasks: tuple[str, ...]) -> synthetic.Scale:
+  """The synthetic grid's scale `name` (model, budget, examples) on `tasks`, each at passkey's
+  training lengths."""
+  base = synthetic.SCALES[name]
+  return dataclasses.replace(base, tasks={task: base.tasks["passkey"] for task in tasks})
+
+
+TASK_SCALES = {
+  "tiny": _task_scale("tiny", ("passkey",)),
+  "cpu": _task_scale("cpu", ("passkey", "niah_multikey")),
+}
+
+
+def methods(L: int, longest: int) -> dict[str, dict]:
+  """Each method's evaluation options (`evals.spec.spec_from_options`) for a model trained at
+  length L evaluated up to `longest`, with the papers' settings in units of L:
+
+  - scalings: factor = evaluated length / L at each length ("auto");
+  - self_extend (arXiv 2401.01325): neighbour window W = L/4, group G the smallest with
+    (L - W) G + W >= longest (the paper's rule for the longest context reached);
+  - dca (ChunkLlama, arXiv 2402.17463): chunks of 3L/4 and a local window of L/32 (its Llama 2
+    setting: 3072 and 128 at L = 4096);
+  - rerope (Su 2023): distances clamped at L/8 (512 at L = 4096);
+  - string (arXiv 2410.18745): shifted offset S = L/3, local value W = L/16 (128 at L = 2048);
+  - sinks (arXiv 2309.17453): 4 sink tokens and the L - 4 most recent keys (a cache of L);
+  - window: the L most recent keys, no sinks (the sinks' control).
+  """
+  W = max(1, L // 4)
+  group = max(1, math.ceil((longest - W) / max(1, L - W)))
+  return {
+    "plain": {},
+    **{kind: dict(rope_scaling=kind, rope_factor="auto") for kind in SCALINGS},
+    "self_extend": dict(extend="self_extend", extend_fields=dict(window=W, group=group)),
+    "dca": dict(extend="dca", extend_fields=dict(chunk=max(2, 3 * L // 4), local=max(1, L // 32))),
+    "rerope": dict(extend="rerope", extend_fields=dict(window=max(1, L // 8))),
+    "string": dict(
+      extend="string", extend_fields=dict(shift=max(2, L // 3), local=max(1, L // 16))
+    ),
+    "sinks": dict(extend="sinks", extend_fields=dict(sinks=SINKS, window=L - SINKS)),
+    "window": dict(attention_window=L),
+  }
+
+
+def perplexity_runs(scale: extrapolation.Scale, only: set[str]) -> list[grid.Run]:
+  """The rope run (evaluated as trained) and one evaluation-only run per other method."""
+  L = scale.seq_len
+  lengths = [L * m for m in scale.multiples]
+  curve = dict(lengths=lengths, protocol="nonoverlapping", max_tokens=scale.eval_tokens)
+  options = methods(L, lengths[-1])
+  rope = {"posenc.kind": "rope", "train.num_train_steps": scale.steps}
+  runs = [grid.Run("rope", "rope", rope, [grid.Eval("plain", curve)])]
+  for name in METHODS[1:]:
+    if not only or name in only:
+      evals = [grid.Eval(name, dict(curve, **options[name]))]
+      runs.append(grid.Run(f"rope_{name}", "rope", {}, evals, eval_of="rope", budget="eval"))
+  return runs
+
+
+def task_config(scale: synthetic.Scale, task: str):
+  """A RoPE decoder trained on `task` as the synthetic grid trains it (model, budget, lengths)."""
+  return synthetic.run_config(scale, task, "rope", False)
+
+
+def task_runs(scale: synthetic.Scale, task: str, only: set[str]) -> list[grid.Run]:
+  """The task's rope run (scored as trained) and one evaluation-only run per other method."""
+  config = task_config(scale, task)
+  spec = synthetic.eval_spec(scale, task, False)
+  longest = synthetic_data.example_length(task, max(spec["lengths"])) - 1
+  scores = dict(task_lengths=spec["lengths"], task_examples=spec["examples"])
+  options = methods(config.data.seq_len, longest)
+  runs = [grid.Run(task, "rope", {}, [grid.Eval("plain", scores)])]
+  for name in METHODS[1:]:
+    if not only or name in only:
+      evals = [grid.Eval(name, dict(scores, **options[name]))]
+      runs.append(grid.Run(f"{task}_{name}", "rope", {}, evals, eval_of=task, budget="eval"))
+  return runs
+
+
+def flat_overrides(config) -> dict:
+  """Every field of a ConfigDict as dotted-name overrides (a grid's `common`)."""
+  flat = {}
+
+  def walk(prefix, node):
+    for key, value in node.items():
+      if hasattr(value, "items"):
+        walk(f"{prefix}{key}.", value)
+      else:
+        flat[f"{prefix}{key}"] = value
+
+  walk("", config)
+  return flat
+
+
+def every_record(out: pathlib.Path, args) -> tuple[list[dict], dict[str, list[dict]]]:
+  """The finished records of the perplexity runs and of each task's runs, in grid order."""
+  ppl = grid.finished_records(perplexity_runs(extrapolation.SCALES[args.scale], set()), out)
+  tasks = {}
+  for task in TASK_SCALES[args.scale].tasks:
+    runs = task_runs(TASK_SCALES[args.scale], task, set())
+    tasks[task] = grid.finished_records(runs, out / "tasks")
+  return ppl, tasks
+
+
+def run_hf_model(args, out: pathlib.Path) -> None:
+  """Every method's perplexity on a pretrained decoder: no grid, one eval.py evaluation each."""
+  from roformer import runs as runs_lib
+  from roformer.evals import ppl_vs_length
+  from roformer.evals import spec as spec_lib
+
+  if not args.data_files:
+    raise SystemExit("--hf_model needs --data_files=GLOB: the text its perplexity is scored on")
+  L = runs_lib.open_hf_model(args.hf_model)[0].data.seq_len
+  lengths = [L * m for m in (1, 2, 4, 8, 16)]
+  options = methods(L, lengths[-1])
+  records = []
+  for i, name in enumerate(m for m in METHODS if not args.only_set or m in args.only_set):
+    print(f"[{i + 1}] {name}", flush=True)
+    spec = spec_lib.spec_from_options(
+      lengths=lengths, protocol="nonoverlapping", max_tokens=args.max_tokens,
+      data_files=args.data_files, out=f"extension_{name}", **options[name],
+    )  # fmt: skip
+    result, _ = ppl_vs_length.evaluate_workdir(
+      out, spec, hf_model=args.hf_model, overwrite=True,
+      log=lambda line: print("    " + line, flush=True),
+    )  # fmt: skip
+    record = {"run": f"hf_{name}", "encoding": "rope", "budget": "eval", "eval_of": "hf"}
+    record["evaluations"] = [{"scaling": name, "result": result}]
+    (out / f"hf_{name}.json").write_text(json.dumps(record, indent=2) + "\n")
+    records.append(record)
+  name = pathlib.Path(args.hf_model).name
+  extension_report.write_extension(records, {}, out, seq_len=L, scale="hf", subject=name)
+
+
+def main():
+  def extra_args(parser):
+    parser.add_argument(
+      "--tasks", default=None, help="comma-separated tasks (default: the scale's; '' = none)"
+    )
+    parser.add_argument("--hf_model", default="", help="a Hugging Face decoder directory")
+    parser.add_argument("--data_files", default="", help="with --hf_model: the text to score")
+    parser.add_argument("--max_tokens", type=int, default=65_536, help="with --hf_model")
+
+  args, only, out, workroot = grid.parse_cli(
+    __doc__, name="extension", scales=extrapolation.SCALES, encodings=METHODS,
+    extra_args=extra_args,
+  )  # fmt: skip
+  args.only_set = only
+  if args.hf_model:
+    if not any(a.startswith("--out") for a in sys.argv[1:]):
+      raise SystemExit("--hf_model needs --out=DIR (results/ holds the grid's committed runs)")
+    out.mkdir(parents=True, exist_ok=True)
+    return run_hf_model(args, out)
+  task_scale = TASK_SCALES[args.scale]
+  tasks = list(task_scale.tasks) if args.tasks is None else [t for t in args.tasks.split(",") if t]
+  unknown = set(tasks) - set(task_scale.tasks)
+  if unknown:
+    raise SystemExit(f"--tasks: unknown {sorted(unknown)}; choose from {tuple(task_scale.tasks)}")
+  scale = extrapolation.SCALES[args.scale]
+
+  def write_report(_=None):
+    ppl, tasks = every_record(out, args)
+    extension_report.write_extension(ppl, tasks, out, seq_len=scale.seq_len, scale=args.scale)
+
+  runs = perplexity_runs(scale, only)
+  print(f"extension grid, scale {args.scale}, corpus {args.corpus} -> {out}")
+  grid.run_grid(
+    runs, base=scale.base, common=extrapolation.common_overrides(scale, args.corpus), out=out,
+    workroot=workroot, report=write_report,
+  )  # fmt: skip
+  for task in tasks:
+    common = flat_overrides(task_config(task_scale, task))
+    grid.run_grid(
+      task_runs(task_scale, task, only), base="", common=common, out=out / "tasks",
+      workroot=workroot / "tasks", report=write_report,
+    )  # fmt: skip
+  write_report()
+  print(f"wrote {out}/results.csv, tasks.csv, table.md and the plots")
+
+
+if __name__ == "__main__":
+  main()
