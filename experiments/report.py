@@ -33,7 +33,15 @@ def _ppl(rows, **where) -> float | None:
   return None if row is None else float(row["ppl"])
 
 
-_ROPE_BUDGETS = ("full", "finetune")  # the rope runs drawn with the scalings
+def _scaling_run(record: dict, seq_len: int) -> bool:
+  """The rope runs drawn with the scalings: the full-budget run and its fine-tunes at a longer
+  length (PI, YaRN); not the runs continued at L (DroPE's control, in the frontier table)."""
+  if record.get("encoding") != "rope" or "evaluations" not in record:
+    return False
+  if record.get("budget") == "full":
+    return True
+  trained_at = record.get("settings", {}).get("data.seq_len", seq_len)
+  return record.get("budget") == "finetune" and trained_at != seq_len
 
 
 def _wall_table(records: Sequence[dict]) -> list[str]:
@@ -105,9 +113,7 @@ def write_extrapolation(records: Sequence[dict], out: pathlib.Path, *, seq_len: 
     "|---|---|" + "---|" * len(lengths),
   ]
   for r in records:
-    if (
-      r.get("encoding") != "rope" or r.get("budget") not in _ROPE_BUDGETS or "evaluations" not in r
-    ):
+    if not _scaling_run(r, seq_len):
       continue
     for ev in r["evaluations"]:
       cells = [
@@ -149,7 +155,7 @@ def write_extrapolation(records: Sequence[dict], out: pathlib.Path, *, seq_len: 
     )
   scalings = grid.eval_lines(
     records,
-    lambda r, ev: r.get("encoding") == "rope" and r.get("budget") in _ROPE_BUDGETS,
+    lambda r, ev: _scaling_run(r, seq_len),
     lambda r, ev: f"{r['run']} + {ev['scaling']} (auto)" if ev["scaling"] != "none" else r["run"],
   )
   if scalings:

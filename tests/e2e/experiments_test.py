@@ -234,15 +234,15 @@ def test_extension_grid_scores_each_method_by_perplexity_and_task_and_resumes(tm
     assert (out / name).stat().st_size > 0, name
   dca = json.loads((out / "rope_dca.json").read_text())
   assert dca["eval_of"] == "rope" and dca["train_seconds"] == 0.0
-  # Training length 16: DCA's chunks of 3L/4 = 12 and local window of max(1, L/32) = 1.
-  assert dca["evaluations"][0]["result"]["context_extension"]["chunk"] == 12
+  # Training length 16: DCA's local window L/16 = 1 and chunks of 3L/4 - L/16 = 11.
+  assert dca["evaluations"][0]["result"]["context_extension"]["chunk"] == 11
   with (out / "tasks.csv").open() as f:
     rows = list(csv.DictReader(f))
   assert {r["method"] for r in rows} == {"plain"} | names
   task_sinks = json.loads((out / "tasks" / "passkey_sinks.json").read_text())
   assert task_sinks["evaluations"][0]["result"]["context_extension"]["kind"] == "sinks"
   table = (out / "table.md").read_text()
-  assert "| dca | chunk 12, local 1 |" in table and "## passkey: exact match" in table
+  assert "| dca | chunk 11, local 1 |" in table and "## passkey: exact match" in table
   rerun = _run("extension.py", out, workroot, *only)
   assert rerun.returncode == 0, rerun.stderr[-3000:]
   assert rerun.stdout.count("done (skipped)") == 10
