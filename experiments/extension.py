@@ -225,7 +225,7 @@ def main():
       workroot=workroot / "tasks", report=write_report,
     )  # fmt: skip
   write_report()
-  print(f"wrote {out}/results.csv, tasks.csv, table.md and the plots")
+  print(f"wrote {out}/table.md, results.csv and perplexity.png" + (", tasks.csv" if tasks else ""))
 
 
 if __name__ == "__main__":
