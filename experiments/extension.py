@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import pathlib
 import sys
 
@@ -65,21 +64,26 @@ def methods(L: int, longest: int) -> dict[str, dict]:
   length L evaluated up to `longest`, with the papers' settings in units of L:
 
   - scalings: factor = evaluated length / L at each length ("auto");
-  - self_extend (arXiv 2401.01325): neighbour window W = L/4, group G the smallest with
-    (L - W) G + W >= longest (the paper's rule for the longest context reached);
+  - self_extend (arXiv 2401.01325): neighbour window W = L/4, group G the smallest that keeps
+    every grouped distance inside the training length: floor((longest - 1) / G) + W -
+    floor(W / G) <= L - 1 (the paper's rule (L - W) G + W >= longest, with the floors of
+    `roformer.posenc.extension.self_extend`);
   - dca (ChunkLlama, arXiv 2402.17463): the reference code's chunk_size = 3L/4 and local_window
     = L/16, i.e. chunks of s = 3L/4 - L/16 keys (its chunk_len) and w = L/16, so that no query
     sits past 3L/4;
   - rerope (Su 2023): distances clamped at L/8 (512 at L = 4096);
   - string (arXiv 2410.18745): shifted offset S = L/3, local value W = 128 (the paper's), at
     most L/16 (its value for its 2K-context models; 8 at L = 128);
-  - sinks (arXiv 2309.17453): 4 sink tokens and the L - 4 most recent keys (a cache of L);
+  - sinks (arXiv 2309.17453): 4 sink tokens and the L - 4 most recent keys (a cache of L; at
+    least one recent key);
   - window: the L most recent keys, no sinks (the sinks' control).
   """
   W = max(1, L // 4)
   local = max(1, L // 16)
   string_local = min(128, local)
-  group = max(1, math.ceil((longest - W) / max(1, L - W)))
+  group = 1
+  while (longest - 1) // group + W - W // group > L - 1:
+    group += 1
   return {
     "plain": {},
     **{kind: dict(rope_scaling=kind, rope_factor="auto") for kind in SCALINGS},
@@ -87,7 +91,7 @@ def methods(L: int, longest: int) -> dict[str, dict]:
     "dca": dict(extend="dca", extend_fields=dict(chunk=max(2, 3 * L // 4 - local), local=local)),
     "rerope": dict(extend="rerope", extend_fields=dict(window=max(1, L // 8))),
     "string": dict(extend="string", extend_fields=dict(shift=max(2, L // 3), local=string_local)),
-    "sinks": dict(extend="sinks", extend_fields=dict(sinks=SINKS, window=L - SINKS)),
+    "sinks": dict(extend="sinks", extend_fields=dict(sinks=SINKS, window=max(1, L - SINKS))),
     "window": dict(attention_window=L),
   }
 
@@ -153,19 +157,41 @@ def every_record(out: pathlib.Path, args) -> tuple[list[dict], dict[str, list[di
 
 
 def run_hf_model(args, out: pathlib.Path) -> None:
-  """Every method's perplexity on a pretrained decoder: no grid, one eval.py evaluation each."""
+  """Every method's perplexity on a pretrained decoder: one eval.py evaluation each, written to
+  OUT/hf_<method>.json with its settings; a method whose JSON holds today's settings is skipped,
+  and the report covers every finished method."""
   from roformer import runs as runs_lib
   from roformer.evals import ppl_vs_length
   from roformer.evals import spec as spec_lib
 
   if not args.data_files:
     raise SystemExit("--hf_model needs --data_files=GLOB: the text its perplexity is scored on")
-  L = runs_lib.open_hf_model(args.hf_model)[0].data.seq_len
+  run_config = runs_lib.open_hf_model(args.hf_model)[0]
+  L = run_config.data.seq_len
+  scaling = run_config.model.posenc.scaling
+  if scaling.kind != "none":
+    print(
+      f"{args.hf_model} scales RoPE itself ({scaling.kind}, factor {scaling.factor:g}): `plain` "
+      "evaluates it so, the scalings replace it, the --extend kinds apply on top of it; L = "
+      f"max_position_embeddings = {L}",
+      flush=True,
+    )
   lengths = [L * m for m in (1, 2, 4, 8, 16)]
   options = methods(L, lengths[-1])
-  records = []
-  for i, name in enumerate(m for m in METHODS if not args.only_set or m in args.only_set):
-    print(f"[{i + 1}] {name}", flush=True)
+  chosen = [m for m in METHODS if not args.only_set or m in args.only_set]
+  for i, name in enumerate(chosen, start=1):
+    path = out / f"hf_{name}.json"
+    settings = dict(
+      hf_model=str(pathlib.Path(args.hf_model).resolve()), data_files=args.data_files,
+      lengths=lengths, max_tokens=args.max_tokens, options=options[name],
+    )  # fmt: skip
+    settings = json.loads(json.dumps(settings))
+    if path.exists():
+      if json.loads(path.read_text()).get("settings") == settings:
+        print(f"[{i}/{len(chosen)}] {name}: done (skipped)", flush=True)
+        continue
+      raise SystemExit(f"{path} was made with other settings; delete it or give another --out")
+    print(f"[{i}/{len(chosen)}] {name}", flush=True)
     spec = spec_lib.spec_from_options(
       lengths=lengths, protocol="nonoverlapping", max_tokens=args.max_tokens,
       data_files=args.data_files, out=f"extension_{name}", **options[name],
@@ -175,9 +201,10 @@ def run_hf_model(args, out: pathlib.Path) -> None:
       log=lambda line: print("    " + line, flush=True),
     )  # fmt: skip
     record = {"run": f"hf_{name}", "encoding": "rope", "budget": "eval", "eval_of": "hf"}
-    record["evaluations"] = [{"scaling": name, "result": result}]
-    (out / f"hf_{name}.json").write_text(json.dumps(record, indent=2) + "\n")
-    records.append(record)
+    record.update(evaluations=[{"scaling": name, "result": result}], settings=settings)
+    path.write_text(json.dumps(record, indent=2) + "\n")
+  paths = [out / f"hf_{m}.json" for m in METHODS]
+  records = [json.loads(p.read_text()) for p in paths if p.exists()]
   name = pathlib.Path(args.hf_model).name
   extension_report.write_extension(records, {}, out, seq_len=L, scale="hf", subject=name)
 
@@ -188,19 +215,27 @@ def main():
       "--tasks", default=None, help="comma-separated tasks (default: the scale's; '' = none)"
     )
     parser.add_argument("--hf_model", default="", help="a Hugging Face decoder directory")
-    parser.add_argument("--data_files", default="", help="with --hf_model: the text to score")
-    parser.add_argument("--max_tokens", type=int, default=65_536, help="with --hf_model")
+    parser.add_argument("--data_files", default=None, help="with --hf_model: the text to score")
+    parser.add_argument("--max_tokens", type=int, default=None, help="with --hf_model (65,536)")
 
   args, only, out, workroot = grid.parse_cli(
     __doc__, name="extension", scales=extrapolation.SCALES, encodings=METHODS,
     extra_args=extra_args,
   )  # fmt: skip
   args.only_set = only
+  given = {a.split("=")[0] for a in sys.argv[1:] if a.startswith("--")}
   if args.hf_model:
-    if not any(a.startswith("--out") for a in sys.argv[1:]):
+    if "--out" not in given:
       raise SystemExit("--hf_model needs --out=DIR (results/ holds the grid's committed runs)")
+    foreign = sorted(given & {"--tasks", "--scale", "--corpus", "--workroot", "--adopt"})
+    if foreign:
+      raise SystemExit(f"{', '.join(foreign)}: not read with --hf_model (perplexity on its text)")
+    args.max_tokens = 65_536 if args.max_tokens is None else args.max_tokens
     out.mkdir(parents=True, exist_ok=True)
     return run_hf_model(args, out)
+  foreign = sorted(given & {"--data_files", "--max_tokens"})
+  if foreign:
+    raise SystemExit(f"{', '.join(foreign)}: read only with --hf_model (the grid uses its corpus)")
   task_scale = TASK_SCALES[args.scale]
   tasks = list(task_scale.tasks) if args.tasks is None else [t for t in args.tasks.split(",") if t]
   unknown = set(tasks) - set(task_scale.tasks)
@@ -216,13 +251,13 @@ def main():
   print(f"extension grid, scale {args.scale}, corpus {args.corpus} -> {out}")
   grid.run_grid(
     runs, base=scale.base, common=extrapolation.common_overrides(scale, args.corpus), out=out,
-    workroot=workroot, report=write_report,
+    workroot=workroot, report=write_report, adopt=args.adopt,
   )  # fmt: skip
   for task in tasks:
     common = flat_overrides(task_config(task_scale, task))
     grid.run_grid(
       task_runs(task_scale, task, only), base="", common=common, out=out / "tasks",
-      workroot=workroot / "tasks", report=write_report,
+      workroot=workroot / "tasks", report=write_report, adopt=args.adopt,
     )  # fmt: skip
   write_report()
   print(f"wrote {out}/table.md, results.csv and perplexity.png" + (", tasks.csv" if tasks else ""))

@@ -428,13 +428,20 @@ def finished_records(runs: Sequence[Run], out: pathlib.Path) -> list[dict]:
   return [json.loads(path.read_text()) for path in paths if path.exists()]
 
 
+# What a task evaluation reads besides its lengths and examples: the model overrides.
+TASK_EVAL_OPTIONS = ("rope_scaling", "rope_factor", "attention_window", "extend", "extend_fields")
+
+
 def _evaluate(workdir: pathlib.Path, ev: Eval) -> dict:
   """eval.py's evaluation `ev` of the run in `workdir`: perplexity, or with "task_lengths" in
   its options the task scores (`evals.task_vs_length`; "task_examples" examples per length)."""
   from roformer.evals import ppl_vs_length, task_vs_length
   from roformer.evals import spec as spec_lib
 
-  name = f"grid_{ev.scaling}"
+  # Named by its options too: evaluation-only runs share their parent's workdir, so a result
+  # made with other options is never taken for this one.
+  digest = hashlib.sha256(json.dumps(ev.kwargs, sort_keys=True).encode()).hexdigest()[:10]
+  name = f"grid_{ev.scaling}_{digest}"
   existing = workdir / "eval" / f"{name}.json"
   log = lambda line: print("    " + line, flush=True)  # noqa: E731
   if existing.exists():
@@ -442,6 +449,9 @@ def _evaluate(workdir: pathlib.Path, ev: Eval) -> dict:
   elif "task_lengths" in ev.kwargs:
     kwargs = dict(ev.kwargs)
     lengths, examples = kwargs.pop("task_lengths"), kwargs.pop("task_examples", 128)
+    unread = set(kwargs) - set(TASK_EVAL_OPTIONS)
+    if unread:
+      raise ValueError(f"task evaluation {ev.scaling!r}: options {sorted(unread)} are not read")
     overrides = spec_lib.spec_from_options(**kwargs)
     result, _ = task_vs_length.evaluate_tasks(
       workdir,

@@ -245,7 +245,7 @@ def evaluate_tasks(
       hide_answers=data.task in synthetic.HIDDEN_ANSWERS,
     )
 
-  records = []
+  records, depth_scores = [], {}  # passkey: n -> exact match per depth
   for i, n in enumerate(lengths, start=1):
     prefix = f"length {i}/{len(lengths)} n={n}"
     length_cfg = config_at(n)
@@ -260,6 +260,8 @@ def evaluate_tasks(
     start = time.perf_counter()
     record = {"length": n, "tokens": synthetic.example_length(data.task, n) - 1, **score(n)}
     records.append(record)
+    if data.task == "passkey":  # scored here, by this length's model (its "auto" factor)
+      depth_scores[n] = [score(n, depth)["exact_match"] for depth in PASSKEY_DEPTHS]
     log(
       f"{prefix}: exact match {record['exact_match']:.3f}, token accuracy "
       f"{record['token_accuracy']:.3f} ({time.perf_counter() - start:.1f}s)"
@@ -281,7 +283,7 @@ def evaluate_tasks(
     result["context_extension"] = dataclasses.asdict(extension)
   if data.task == "passkey":
     scored = [r["length"] for r in records if "skipped" not in r]
-    grid = [[score(n, depth)["exact_match"] for n in scored] for depth in PASSKEY_DEPTHS]
+    grid = [[depth_scores[n][d] for n in scored] for d in range(len(PASSKEY_DEPTHS))]
     result["passkey_depths"] = {
       "depths": list(PASSKEY_DEPTHS),
       "lengths": scored,
@@ -300,6 +302,8 @@ def evaluate_tasks(
   )
   log(f"wrote {json_path} and {png_path}")
   if "passkey_depths" in result:
-    heatmap = task_plots.plot_passkey_heatmap(result, json_path.parent / "passkey_heatmap.png")
+    # One heatmap per result: evaluations with other overrides write beside each other.
+    heatmap_name = "passkey_heatmap.png" if name == DEFAULT_NAME else f"{name}_passkey_heatmap.png"
+    heatmap = task_plots.plot_passkey_heatmap(result, json_path.parent / heatmap_name)
     log(f"wrote {heatmap}")
   return result, json_path

@@ -258,17 +258,51 @@ def test_extension_grid_on_a_pretrained_decoder_scores_each_method(tmp_path):
   (model / "config.json").write_text(json.dumps(config))
   out = tmp_path / "out"
   args = [f"--hf_model={model}", f"--data_files={tmp_path / 'text' / '*.txt'}", "--max_tokens=256"]
-  proc = _run("extension.py", out, tmp_path / "runs", *args, "--only=plain,yarn,self_extend")
+  args.append(f"--out={out}")
+
+  def run(*extra):  # no --scale or --workroot: the grid's flags are refused with --hf_model
+    return subprocess.run(
+      [sys.executable, str(REPO / "experiments" / "extension.py"), *extra], capture_output=True,
+      text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=900, check=False,
+    )  # fmt: skip
+
+  proc = run(*args, "--only=plain,yarn,self_extend")
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert {p.stem for p in out.glob("hf_*.json")} == {"hf_plain", "hf_yarn", "hf_self_extend"}
   self_extend = json.loads((out / "hf_self_extend.json").read_text())
   result = self_extend["evaluations"][0]["result"]
-  # W = L/4 = 4; G the smallest with (L - W) G + W >= 256: 21.
-  assert result["context_extension"]["window"] == 4 and result["context_extension"]["group"] == 21
+  # W = L/4 = 4; G the smallest keeping grouped distances under L: 255 // 22 + 4 - 0 = 15.
+  assert result["context_extension"]["window"] == 4 and result["context_extension"]["group"] == 22
   assert [r["length"] for r in result["records"]] == [16, 32, 64, 128, 256]
   table = (out / "table.md").read_text()
-  assert "| self_extend | window 4, group 21 |" in table
+  assert "| self_extend | window 4, group 22 |" in table
   # The fixture's own llama3 scaling is what "plain" evaluates.
   assert "| plain | as trained (llama3, factor 8.0) |" in table
-  missing = _run("extension.py", out, tmp_path / "runs", f"--hf_model={model}")
+  again = run(*args, "--only=yarn,dca")
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert again.stdout.count("done (skipped)") == 1  # yarn; dca is new
+  table = (out / "table.md").read_text()
+  assert all(f"| {m} | " in table for m in ("plain", "yarn", "self_extend", "dca"))
+  missing = run(f"--hf_model={model}", f"--out={out}")
   assert missing.returncode != 0 and "--data_files" in missing.stderr
+  foreign = run(*args, "--tasks=passkey")
+  assert foreign.returncode != 0 and "--tasks: not read with --hf_model" in foreign.stderr
+
+
+def test_extension_settings_keep_every_method_inside_the_training_length():
+  sys.path.insert(0, str(REPO / "experiments"))
+  import extension
+
+  from roformer.evals import spec
+
+  for L, longest in ((16, 32), (16, 256), (83, 530), (128, 2048), (131, 579), (4096, 65536)):
+    options = extension.methods(L, longest)
+    fields = options["self_extend"]["extend_fields"]
+    W, G = fields["window"], fields["group"]
+    farthest = [(longest - 1) // g + W - W // g for g in (G, max(1, G - 1))]  # grouped distance
+    assert farthest[0] <= L - 1 and (G == 1 or farthest[1] > L - 1), (L, longest, G)
+    dca = options["dca"]["extend_fields"]
+    assert dca["chunk"] + dca["local"] <= 3 * L // 4  # no query sits past 3L/4
+    assert options["sinks"]["extend_fields"]["window"] + extension.SINKS == max(L, 5)
+    for kwargs in options.values():  # every one a valid evaluation
+      spec.spec_from_options(lengths=[L], **kwargs)

@@ -294,6 +294,11 @@ def test_task_evaluation_applies_a_scaling_per_length_and_an_extension(tmp_path,
   assert factors == expected and len(expected) == 2
   assert all(c.posenc.scaling.original_max_len == seq_len for c in seen)
 
+  # The depth grid of every length is scored by that length's model, as its record is.
+  depth_middle = result["passkey_depths"]["exact_match"]
+  assert len(depth_middle) == len(task_vs_length.PASSKEY_DEPTHS)
+  assert (tmp_path / "eval" / "task_vs_length_yarn_auto_passkey_heatmap.png").exists()
+
   seen.clear()
   ext = ContextExtension("sinks", sinks=1, window=6)
   result, path = task_vs_length.evaluate_tasks(
@@ -334,3 +339,33 @@ def test_task_evaluation_with_an_extension_covering_every_key_scores_as_plain(
   np.testing.assert_array_equal(wide, plain)
   # Negative control: every distance clamped to 1 changes the predictions.
   assert np.mean(narrow != plain) > 0.05
+
+
+def test_passkey_depths_are_scored_by_each_lengths_own_model(tmp_path, monkeypatch):
+  from roformer.evals.spec import RopeOverride
+
+  _tiny_passkey_run(tmp_path, monkeypatch, [])
+  real_make_predict = task_vs_length.make_predict
+  factors = []  # the "auto" factor of the model each scored batch ran through
+
+  def make_predict(model):
+    predict = real_make_predict(model)
+    factor = model.cfg.posenc.scaling.factor
+
+    def recorded(*args):
+      factors.append((args[0].shape[1], factor))
+      return predict(*args)
+
+    return recorded
+
+  monkeypatch.setattr(task_vs_length, "make_predict", make_predict)
+  task_vs_length.evaluate_tasks(
+    tmp_path, lengths=[4, 32], num_examples=2, rope=RopeOverride("linear", "auto"),
+    log=lambda _: None,
+  )  # fmt: skip
+  # Every batch of one input length (its records and its depths alike) ran at one factor.
+  by_length = {}
+  for tokens, factor in factors:
+    by_length.setdefault(tokens, set()).add(factor)
+  assert len(by_length) == 2 and all(len(f) == 1 for f in by_length.values()), by_length
+  assert {min(f) for f in by_length.values()} != {1.0}  # the longer one is scaled
