@@ -131,21 +131,6 @@ def task_runs(scale: synthetic.Scale, task: str, only: set[str]) -> list[grid.Ru
   return runs
 
 
-def flat_overrides(config) -> dict:
-  """Every field of a ConfigDict as dotted-name overrides (a grid's `common`)."""
-  flat = {}
-
-  def walk(prefix, node):
-    for key, value in node.items():
-      if hasattr(value, "items"):
-        walk(f"{prefix}{key}.", value)
-      else:
-        flat[f"{prefix}{key}"] = value
-
-  walk("", config)
-  return flat
-
-
 def every_record(out: pathlib.Path, args) -> tuple[list[dict], dict[str, list[dict]]]:
   """The finished records of the perplexity runs and of each task's runs, in grid order."""
   ppl = grid.finished_records(perplexity_runs(extrapolation.SCALES[args.scale], set()), out)
@@ -160,15 +145,20 @@ def run_hf_model(args, out: pathlib.Path) -> None:
   """Every method's perplexity on a pretrained decoder: one eval.py evaluation each, written to
   OUT/hf_<method>.json with its settings; a method whose JSON holds today's settings is skipped,
   and the report covers every finished method."""
-  from roformer import runs as runs_lib
+  from roformer import hf
   from roformer.evals import ppl_vs_length
   from roformer.evals import spec as spec_lib
 
   if not args.data_files:
     raise SystemExit("--hf_model needs --data_files=GLOB: the text its perplexity is scored on")
-  run_config = runs_lib.open_hf_model(args.hf_model)[0]
-  L = run_config.data.seq_len
-  scaling = run_config.model.posenc.scaling
+  hf_config = hf.read_hf_config(args.hf_model)  # L and the scaling, without the weights
+  L = int(hf_config.get("max_position_embeddings") or 0)
+  if L < 1:
+    raise SystemExit(f"--hf_model={args.hf_model}: config.json has no max_position_embeddings")
+  try:
+    scaling = hf.hf_decoder_config(hf_config).posenc.scaling
+  except hf.HFConversionError as e:
+    raise SystemExit(f"--hf_model={args.hf_model}: {e}") from None
   if scaling.kind != "none":
     print(
       f"{args.hf_model} scales RoPE itself ({scaling.kind}, factor {scaling.factor:g}): `plain` "
@@ -254,7 +244,7 @@ def main():
     workroot=workroot, report=write_report, adopt=args.adopt,
   )  # fmt: skip
   for task in tasks:
-    common = flat_overrides(task_config(task_scale, task))
+    common = grid.flat_fields(task_config(task_scale, task))
     grid.run_grid(
       task_runs(task_scale, task, only), base="", common=common, out=out / "tasks",
       workroot=workroot / "tasks", report=write_report, adopt=args.adopt,

@@ -77,13 +77,13 @@ def _task_table(task: str, records, rows) -> list[str]:
       row = grid.lookup(rows, run=record["run"], length=n)
       cells.append(f"{float(row['exact_match']):.2f}" if row else "–")
     effective = ev["result"].get("effective_length", {}).get("exact_match", {})
-    cells.append(_effective_n(effective, lengths))
+    cells.append(_effective_n(effective))
     settings = method_settings(ev["scaling"], ev["result"])
     lines.append(f"| {ev['scaling']} | {settings} | " + " | ".join(cells) + " |")
   return lines
 
 
-def _effective_n(effective: dict, lengths: list[int]) -> str:
+def _effective_n(effective: dict) -> str:
   if not effective or effective.get("length") is None:
     return "–"
   return f"{effective['length']}" + ("+" if effective.get("first_failing") is None else "")

@@ -147,6 +147,15 @@ def run_settings(config, evaluation, *, workroot: pathlib.Path | None = None) ->
   Paths under the workroot and the cache root are written relative to them ($WORKROOT,
   $ROFORMER_CACHE), so the same run on another machine has the same settings.
   """
+  flat = {k: _portable(v, workroot) for k, v in flat_fields(config).items()}
+  flat["eval"] = evaluation
+  # As JSON gives them back (tuples become lists), so a recorded run compares equal.
+  return json.loads(json.dumps(flat, default=str))
+
+
+def flat_fields(config) -> dict:
+  """Every field of a config (a ConfigDict or a nested dict) by dotted name, values as they are:
+  the settings of `run_settings`, and the `common` overrides that rebuild the config."""
   flat = {}
 
   def walk(prefix, node):
@@ -154,12 +163,10 @@ def run_settings(config, evaluation, *, workroot: pathlib.Path | None = None) ->
       if isinstance(value, dict):
         walk(f"{prefix}{key}.", value)
       else:
-        flat[f"{prefix}{key}"] = _portable(value, workroot)
+        flat[f"{prefix}{key}"] = value
 
   walk("", config.to_dict() if hasattr(config, "to_dict") else dict(config))
-  flat["eval"] = evaluation
-  # As JSON gives them back (tuples become lists), so a recorded run compares equal.
-  return json.loads(json.dumps(flat, default=str))
+  return flat
 
 
 def _portable(value, workroot):

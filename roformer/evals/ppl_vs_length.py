@@ -16,7 +16,7 @@ from roformer import runs
 from roformer.evals import key_tokens, perplexity, plots, results
 from roformer.evals.effective_length import describe, perplexity_effective_lengths
 from roformer.evals.perplexity import AUTO_BATCH_TOKENS
-from roformer.evals.spec import EvalSpec, RopeOverride, factor_at, output_name
+from roformer.evals.spec import EvalSpec, RopeOverride, output_name, rope_options
 from roformer.infra import workdir as workdir_lib
 from roformer.posenc import POSENCS
 from roformer.posenc import randomized as randomized_positions
@@ -158,12 +158,10 @@ def evaluate_workdir(
     raise ValueError(f"--stride={spec.stride} is longer than the shortest length {lengths[0]}")
 
   def config_at(length: int):
-    rope = spec.rope
     return runs.eval_model_config(
       run_config.model,
       seq_len=seq_len,
-      rope_scaling=rope.kind if rope else "none",
-      rope_factor=factor_at(rope.factor, length, seq_len) if rope else 1.0,
+      **rope_options(spec.rope, length, seq_len),
       attention_window=window,
       window_kind=spec.window_kind,
       extension=spec.extension,
@@ -218,7 +216,7 @@ def evaluate_workdir(
   result = {
     "step": int(step),
     "posenc": model_cfg.posenc.kind,
-    "rope_scaling": _scaling_record(model_cfg, spec.rope),
+    "rope_scaling": scaling_record(model_cfg, spec.rope),
     "attention_window": ({"kind": spec.window_kind, "size": window} if window else None),
     "notes": label_notes(
       model_cfg,
@@ -353,7 +351,7 @@ def _per_position(position_scores: dict) -> dict | None:
   }
 
 
-def _scaling_record(model_cfg, rope: RopeOverride | None) -> dict | None:
+def scaling_record(model_cfg, rope: RopeOverride | None) -> dict | None:
   """JSON "rope_scaling": the one applied at evaluation, else the run's own, else None."""
   if rope is not None:
     return {"kind": rope.kind, "factor": rope.factor}

@@ -211,6 +211,14 @@ def extension_suffix(extension: ContextExtension) -> str:
   return f"_{extension.kind}{numbers}"
 
 
+def rope_options(rope: "RopeOverride | None", length: int, seq_len: int) -> dict:
+  """`runs.eval_model_config`'s rope_scaling and rope_factor for windows of `length` tokens:
+  the override's kind and its factor there ("auto": length / seq_len), or none."""
+  if rope is None:
+    return {"rope_scaling": "none", "rope_factor": 1.0}
+  return {"rope_scaling": rope.kind, "rope_factor": factor_at(rope.factor, length, seq_len)}
+
+
 def overrides_suffix(
   *,
   rope: RopeOverride | None = None,

@@ -35,8 +35,8 @@ from roformer.data.tokenizer import ByteTokenizer
 from roformer.evals import results, task_plots
 from roformer.evals.effective_length import EffectiveRule, describe, task_effective_lengths
 from roformer.evals.perplexity import AUTO_BATCH_TOKENS
-from roformer.evals.ppl_vs_length import label_notes
-from roformer.evals.spec import RopeOverride, factor_at, overrides_suffix
+from roformer.evals.ppl_vs_length import label_notes, scaling_record
+from roformer.evals.spec import RopeOverride, overrides_suffix, rope_options
 from roformer.posenc import randomized as randomized_positions
 from roformer.posenc.config import ContextExtension
 
@@ -205,8 +205,7 @@ def evaluate_tasks(
     return runs.eval_model_config(
       run_config.model,
       seq_len=data.seq_len,
-      rope_scaling=rope.kind if rope else "none",
-      rope_factor=factor_at(rope.factor, tokens, data.seq_len) if rope else 1.0,
+      **rope_options(rope, tokens, data.seq_len),
       attention_window=window,
       extension=extension,
     )
@@ -274,7 +273,7 @@ def evaluate_tasks(
     "positions": positions,
     "task": data.task,
     "train_lengths": [data.task_min_len, data.task_max_len],
-    "rope_scaling": {"kind": rope.kind, "factor": rope.factor} if rope else None,
+    "rope_scaling": scaling_record(model_cfg, rope),
     "attention_window": {"kind": "sliding", "size": window} if window else None,
     "notes": notes,
     "records": records,
