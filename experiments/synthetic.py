@@ -67,6 +67,51 @@ ENCODINGS = {
   "sandwich": {},
   "cope": {},
 }
+# The 2024-26 options (docs/frontier.md), as experiments/extrapolation.py runs them: posenc
+# fields, "model."-prefixed model fields, and ("window", kind) for a RoPE layer attending within
+# data.seq_len / 4 (`_apply_arm`). Two layers here: the hybrids alternate a RoPE layer with a
+# NoPE one. Not randomized (their papers train at positions 0, 1, 2, ...).
+FRONTIER = {
+  "irope": {
+    "kind": "rope",
+    "layer_pattern": "rope,nope",
+    "max_wavelength": 500_000.0,
+    "model.attention_window_pattern": ("window", "chunked"),
+    "model.qk_norm": "l2",
+    "model.qk_norm_kinds": "rope",
+    "query_scale": "llama4",
+    "query_scale_kinds": "nope",
+  },
+  "rnope_swa": {
+    "kind": "rope",
+    "layer_pattern": "rope,nope",
+    "model.attention_window_pattern": ("window", "sliding"),
+  },
+  "qk_norm": {"kind": "rope", "model.qk_norm": "rmsnorm"},
+  "ssmax": {"kind": "rope", "query_scale": "ssmax"},
+  "pope": {},
+  "resonance": {"kind": "rope", "rope_resonance": True},
+  "fox": {"kind": "nope", "model.forget_gate": True},
+  "sinks": {"kind": "rope", "model.attention_sinks": True},
+}
+ENCODINGS.update(FRONTIER)
+
+
+def _apply_arm(config, fields: dict) -> None:
+  """Sets an arm's fields: posenc ones, "model."-prefixed ones, and a ("window", kind) pattern:
+  the RoPE layer attends within data.seq_len / 4 (chunks or a sliding window), the NoPE layer to
+  everything (iRoPE's chunk is also its query temperature's floor)."""
+  for field, value in fields.items():
+    if field == "model.attention_window_pattern":
+      local = max(1, config.data.seq_len // 4)
+      config.model.attention_window_pattern = f"{local},0"
+      config.model.attention_window_kind = value[1]
+      if fields.get("query_scale") == "llama4":
+        config.posenc.query_scale_floor = float(local)
+    elif field.startswith("model."):
+      config.model[field.removeprefix("model.")] = value
+    else:
+      config.posenc[field] = value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,7 +181,7 @@ def grid_runs(scale: Scale) -> list[tuple[str, str, bool]]:
       for randomized in scale.randomize:
         if scale.only_pairs and (encoding, randomized) not in scale.only_pairs:
           continue
-        if randomized and not posenc.POSENCS[kind].reads_positions:
+        if randomized and (not posenc.POSENCS[kind].reads_positions or encoding in FRONTIER):
           continue
         runs.append((task, encoding, randomized))
   return runs
@@ -155,8 +200,6 @@ def make_config(scale: Scale, task: str, encoding: str, randomized: bool, seq_le
   # sqrt(d) also helps the encodings whose papers used BERT's table, so "auto" would favour some.
   config.model.embed_scale = "sqrt_d"
   config.model.attention_block = 128
-  for field, value in {"kind": encoding, **ENCODINGS[encoding]}.items():
-    config.posenc[field] = value
   config.posenc.max_len = seq_len_8x  # learned: a row for every position evaluated
   if randomized:
     config.posenc.randomize_max = seq_len_8x
@@ -164,6 +207,7 @@ def make_config(scale: Scale, task: str, encoding: str, randomized: bool, seq_le
   config.data.task = task
   config.data.task_min_len, config.data.task_max_len = lo, hi
   config.data.seq_len = synthetic.example_length(task, hi) - 1
+  _apply_arm(config, {"kind": encoding, **ENCODINGS[encoding]})
   config.optim.learning_rate = scale.train["learning_rate"]
   config.optim.warmup_steps = max(1, scale.train["num_train_steps"] // 20)
   config.optim.weight_decay = 0.0

@@ -75,6 +75,35 @@ def test_every_encoding_of_the_grid_trains_with_the_same_embedding_scale():
   assert {c.model.embed_scale for c in configs} == {"sqrt_d"}
 
 
+def test_frontier_arms_are_built_as_the_extrapolation_grid_builds_them():
+  sys.path.insert(0, os.path.join(REPO, "experiments"))
+  import synthetic
+
+  from roformer import config as config_lib
+
+  scale = synthetic.SCALES["cpu"]
+  runs = synthetic.grid_runs(scale)
+  for arm in synthetic.FRONTIER:  # every task, never randomized
+    assert [r for r in runs if r[1] == arm] == [(t, arm, False) for t in scale.tasks], arm
+  build = lambda arm: synthetic.run_config(scale, "passkey", arm, False)  # noqa: E731
+  irope, rnope = build("irope"), build("rnope_swa")
+  local = irope.data.seq_len // 4
+  assert irope.posenc.layer_pattern == "rope,nope" and irope.posenc.kind == "rope"
+  assert irope.model.attention_window_pattern == f"{local},0"
+  assert irope.model.attention_window_kind == "chunked"
+  assert (irope.model.qk_norm, irope.model.qk_norm_kinds) == ("l2", "rope")
+  assert (irope.posenc.query_scale, irope.posenc.query_scale_kinds) == ("llama4", "nope")
+  assert irope.posenc.query_scale_floor == float(local)
+  assert rnope.model.attention_window_kind == "sliding"
+  assert rnope.posenc.query_scale == "none"
+  assert build("fox").model.forget_gate and build("fox").posenc.kind == "nope"
+  assert build("sinks").model.attention_sinks and build("pope").posenc.kind == "pope"
+  assert build("resonance").posenc.rope_resonance and build("ssmax").posenc.query_scale == "ssmax"
+  assert build("qk_norm").model.qk_norm == "rmsnorm"
+  for arm in synthetic.FRONTIER:  # each a valid run config (the model's own checks)
+    config_lib.run_config_from_dict(build(arm), vocab_size=261)
+
+
 @pytest.mark.slow
 def test_grids_with_other_outputs_or_settings_never_share_runs(tmp_path):
   cache = {"ROFORMER_CACHE": str(tmp_path / "cache")}
