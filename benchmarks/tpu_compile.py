@@ -10,6 +10,10 @@ exits non-zero when it does not fit. This is how MaxText's train_compile.py chec
   python benchmarks/tpu_compile.py --config=configs/lm.py --topology=v4:2x2x4 \
     [--config.mesh.data=... --config.mesh.fsdp=... --config.mesh.tensor=... --config.*=...]
 
+`--kernels=chunked,splash,flash_bias` compiles the step once per attention kernel
+(model.attention_impl) and prints one row each: compile time and per-device memory, or the one
+line a kernel refuses the config with.
+
 Every --config.* override train.py takes works here. The vocabulary size is data.vocab_size (a
 trained tokenizer's size) or 261 for the bytes tokenizer, so no corpus is read.
 """
@@ -32,6 +36,12 @@ flags.DEFINE_enum(
   ["auto", "default", "megacore"],
   "libtpu chip configuration: megacore (one device per v4/v5p chip, as JAX uses them), default "
   "(one per TensorCore); auto = megacore for v4 and v5p.",
+)
+flags.DEFINE_list(
+  "kernels",
+  [],
+  "Attention kernels (model.attention_impl) to compile one after another, one table row each; "
+  "empty: the config's alone.",
 )
 flags.mark_flags_as_required(["config"])
 FLAGS = flags.FLAGS
@@ -70,6 +80,8 @@ def main(argv):
   from roformer import config as config_lib
 
   config = FLAGS.config
+  if FLAGS.kernels:
+    sys.exit(compare_kernels(config, FLAGS.kernels))
   try:
     run_config = bench_step.run_config(config)
     devices = topology_devices(FLAGS.topology, FLAGS.chip_config)
@@ -113,6 +125,41 @@ def main(argv):
       file=sys.stderr,
     )
     sys.exit(2)
+
+
+def compare_kernels(config, kernels) -> int:
+  """Compiles the step with each attention kernel; prints a markdown table; returns the exit
+  status (1 when a kernel outside the refusals fails, 2 when one does not fit)."""
+  from roformer import config as config_lib
+
+  devices = topology_devices(FLAGS.topology, FLAGS.chip_config)
+  hbm = HBM_PER_CHIP.get(devices[0].device_kind, 0)
+  print(f"{FLAGS.topology}: {len(devices)} x {devices[0].device_kind}, {hbm / GIB:.0f} GiB each")
+  print("| kernel | compile (s) | arguments (GiB) | temporaries (GiB) | total (GiB) | fits |")
+  print("|---|---|---|---|---|---|")
+  status = 0
+  for kernel in kernels:
+    variant = config.copy_and_resolve_references()
+    with variant.unlocked():
+      variant.model.attention_impl = kernel
+    try:
+      result = bench_step.compile_train_step(bench_step.run_config(variant), devices)
+    except (config_lib.ConfigError, ValueError) as e:
+      print(f"| {kernel} | refused: {str(e).splitlines()[0]} | | | | |", flush=True)
+      continue
+    except bench_step.DoesNotFitError as e:
+      print(f"| {kernel} | does not fit: {e} | | | | no |", flush=True)
+      status = 2
+      continue
+    fits = hbm == 0 or result["total_bytes"] <= hbm
+    status = status if fits else 2
+    print(
+      f"| {kernel} | {result['compile_seconds']:.1f} | {result['argument_bytes'] / GIB:.3f} | "
+      f"{result['temp_bytes'] / GIB:.3f} | {result['total_bytes'] / GIB:.3f} | "
+      f"{'yes' if fits else 'NO'} |",
+      flush=True,
+    )
+  return status
 
 
 if __name__ == "__main__":

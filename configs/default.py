@@ -39,6 +39,9 @@ def get_config() -> ml_collections.ConfigDict:
   model.mlp_dim = 2048
   # Dropout on attention probabilities and residual branches during training (0 = off).
   model.dropout_rate = 0.0
+  # Dropout on attention probabilities alone: -1 = model.dropout_rate. The fused kernels
+  # (attention_impl splash, flash_bias, cudnn) have none: 0 runs them with residual dropout kept.
+  model.attention_dropout_rate = -1.0
   # MLP activation: "gelu" or "swiglu".
   model.activation = "gelu"
   # Normalisation layer: "layernorm" or "rmsnorm".

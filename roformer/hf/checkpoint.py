@@ -29,6 +29,7 @@ OVERRIDABLE_FIELDS = (
   "attention_block",
   "attention_window",
   "dropout_rate",
+  "attention_dropout_rate",
   "posenc",
 )
 

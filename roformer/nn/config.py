@@ -42,6 +42,7 @@ class ModelConfig:
   head_dim: int = 0  # 0 = emb_dim // num_heads
   mlp_dim: int = 2048
   dropout_rate: float = 0.0
+  attention_dropout_rate: float = -1.0  # on attention probabilities; -1 = dropout_rate
   activation: str = "gelu"  # gelu | swiglu
   norm: str = "layernorm"  # layernorm | rmsnorm
   norm_eps: float = 1e-6
@@ -58,7 +59,7 @@ class ModelConfig:
   type_vocab_size: int = 0  # 0 = no token-type embeddings (HF RoFormer has 2)
   dtype: str = "float32"  # compute dtype: float32 | bfloat16
   param_dtype: str = "float32"
-  attention_impl: str = "auto"  # dense | chunked | auto
+  attention_impl: str = "auto"  # dense | chunked | auto | splash | flash_bias | cudnn (fused.py)
   # Query/key block of the chunked kernel, and the sequence block of position-wise layers.
   attention_block: int = 512
   attention_window: int = 0  # sliding window: keys within this many positions of the query; 0 = all
@@ -144,6 +145,11 @@ def validate_model(cfg: ModelConfig) -> None:
       raise ValueError(f"model.{name}={getattr(cfg, name)} must be >= 0 (0 = default)")
   if not 0.0 <= cfg.dropout_rate < 1.0:
     raise ValueError(f"model.dropout_rate={cfg.dropout_rate} must be in [0, 1)")
+  if not (0.0 <= cfg.attention_dropout_rate < 1.0 or cfg.attention_dropout_rate == -1.0):
+    raise ValueError(
+      f"model.attention_dropout_rate={cfg.attention_dropout_rate} must be in [0, 1) or -1 "
+      "(= model.dropout_rate)"
+    )
   if not cfg.norm_eps > 0.0:
     raise ValueError(f"model.norm_eps={cfg.norm_eps} must be > 0")
   num_kv_heads = resolve_num_kv_heads(cfg)

@@ -12,6 +12,7 @@ from flax import nnx
 
 from roformer.nn.attention.kinds import ATTENTIONS, make_attention
 from roformer.nn.attention.primitives import dropout as _dropout
+from roformer.nn.attention.softmax import attention_dropout
 from roformer.nn.config import (
   MODEL_KINDS,
   REMAT_POLICIES,
@@ -432,11 +433,11 @@ def _check_inputs(tokens_BL, positions_BL, segment_ids_BL, token_type_ids_BL, cf
 
 def _dropout_key(cfg, deterministic, rngs):
   """One key for the whole forward pass (None: no dropout); sites fold in their own index."""
-  if deterministic or cfg.dropout_rate == 0.0:
+  if deterministic or (cfg.dropout_rate == 0.0 and attention_dropout(cfg) == 0.0):
     return None
   if rngs is None:
     raise ValueError(
-      f"deterministic=False with model.dropout_rate={cfg.dropout_rate} needs "
-      "rngs=nnx.Rngs(dropout=key)"
+      f"deterministic=False with model.dropout_rate={cfg.dropout_rate} (attention: "
+      f"{attention_dropout(cfg)}) needs rngs=nnx.Rngs(dropout=key)"
     )
   return rngs.dropout() if isinstance(rngs, nnx.Rngs) else rngs

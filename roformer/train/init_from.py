@@ -188,7 +188,7 @@ def _config_fields(cfg, prefix: str = "model") -> dict:
 # the tokenizer's ids must fit in it).
 FINE_TUNE_FIELDS = (
   "model.vocab_size", "model.dtype", "model.param_dtype", "model.attention_impl",
-  "model.attention_block", "model.dropout_rate", "model.remat",
+  "model.attention_block", "model.dropout_rate", "model.attention_dropout_rate", "model.remat",
 )  # fmt: skip
 
 

@@ -1,4 +1,5 @@
-"""The interchangeable attention kernels: dense, chunked (online softmax over key blocks), auto.
+"""The interchangeable attention kernels: dense, chunked (online softmax over key blocks), auto,
+and JAX's fused kernels (fused.py: splash, flash_bias, cudnn).
 
 Dimension legend: B batch, L query length, S key length, H query heads, G key/value heads,
 R = H // G query heads per key/value head, K head dim, D model dim. Queries and keys may be wider
@@ -13,7 +14,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from roformer.nn.attention import banded, sinks
+from roformer.nn.attention import banded, fused, sinks
 from roformer.nn.attention.piecewise import pieces_cover, piecewise_scores
 from roformer.nn.attention.primitives import (
   NEG,
@@ -413,12 +414,27 @@ def chunked_attention(
 
 
 def auto_attention(q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS, *, block: int = 512, **kwargs):
-  """`dense` when L * S <= block**2 (small enough to materialise) or with a content bias (which
-  only `dense` computes), else `chunked`."""
-  small = q_BLHK.shape[1] * k_BSGK.shape[1] <= block * block
+  """On a TPU or GPU, the fastest fused kernel the call fits (`fused.pick_fused`: splash, then
+  flash_bias on a TPU; cudnn on a GPU), for self-attention. Otherwise, and always on a CPU:
+  `dense` when L * S <= block**2 (small enough to materialise) or with a content bias (which only
+  `dense` computes), else `chunked`."""
+  L, S = q_BLHK.shape[1], k_BSGK.shape[1]
+  platform = fused.target_platform()
+  if platform in ("tpu", "gpu") and L == S:
+    bias_fn = kwargs.get("bias_fn")
+    # Whether the encoding adds a bias, from one (query, key) pair: no [L, S] array is traced.
+    probe = None if bias_fn is None else bias_fn(qpos_BL[:, :1], kpos_BS[:, :1])
+    if kernel := fused.pick_fused(q_BLHK, kwargs, probe, platform):
+      return fused.FUSED[kernel](q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS, block=block, **kwargs)
+  small = L * S <= block * block
   if small or kwargs.get("content_bias_fn") is not None:
     return dense_attention(q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS, block=block, **kwargs)
   return chunked_attention(q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS, block=block, **kwargs)
 
 
-KERNELS = {"dense": dense_attention, "chunked": chunked_attention, "auto": auto_attention}
+KERNELS = {
+  "dense": dense_attention,
+  "chunked": chunked_attention,
+  "auto": auto_attention,
+  **fused.FUSED,
+}

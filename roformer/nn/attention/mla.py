@@ -26,7 +26,7 @@ from flax import nnx
 
 from roformer.nn.attention import kv_cache
 from roformer.nn.attention.kernels import KERNELS, dense_attention
-from roformer.nn.attention.softmax import kernel_init
+from roformer.nn.attention.softmax import attention_dropout, kernel_init
 from roformer.posenc.rope_scaling import mla_softmax_factor
 
 
@@ -47,7 +47,7 @@ class MLAttention(nnx.Module):
     self.impl, self.block, self.dropout_rate = (
       cfg.attention_impl,
       cfg.attention_block,
-      cfg.dropout_rate,
+      attention_dropout(cfg),
     )
     self.head_dim, self.rope_dim, self.dtype = N, R, jnp.dtype(dtype)
     self.softmax_factor = mla_softmax_factor(cfg.posenc.scaling)

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from roformer.nn.attention import forget_gate, kv_cache
+from roformer.nn.attention import forget_gate, fused, kv_cache
 from roformer.nn.attention.kernels import KERNELS, dense_attention
 from roformer.nn.attention.qk_norm import l2_norm, qk_norm_layers
 from roformer.nn.attention.sinks import sink_param
@@ -36,6 +36,13 @@ def kernel_init(in_axis, out_axis, names):
     1.0, "fan_in", "truncated_normal", in_axis=in_axis, out_axis=out_axis
   )
   return nnx.with_partitioning(init, names)
+
+
+def attention_dropout(cfg) -> float:
+  """The dropout rate of attention probabilities: model.attention_dropout_rate, or
+  model.dropout_rate when it is -1."""
+  rate = cfg.attention_dropout_rate
+  return cfg.dropout_rate if rate == -1.0 else rate
 
 
 def _cache_sinks(extension) -> tuple[int, int]:
@@ -157,7 +164,7 @@ class Attention(nnx.Module):
     return cls(
       cfg.emb_dim, cfg.num_heads, head_dim, num_kv_heads=num_kv_heads, causal=causal,
       use_bias=cfg.use_bias, qkv_bias=cfg.use_bias or cfg.qkv_bias,
-      dropout_rate=cfg.dropout_rate, impl=cfg.attention_impl,
+      dropout_rate=attention_dropout(cfg), impl=cfg.attention_impl,
       block=cfg.attention_block, window=window, window_kind=cfg.attention_window_kind,
       global_tokens=cfg.global_tokens, qk_norm=cfg.qk_norm if normed else "none",
       norm_eps=cfg.norm_eps, query_scale=layer_posenc, attention_sinks=cfg.attention_sinks,
@@ -167,7 +174,28 @@ class Attention(nnx.Module):
 
   @classmethod
   def check_config(cls, cfg, posenc_cls) -> None:
-    del cfg, posenc_cls  # softmax attention honours every encoding and window
+    """Softmax attention honours every encoding and window; a fused kernel named by
+    `model.attention_impl` refuses what it cannot run (packing is checked when it runs)."""
+    if cfg.attention_impl not in fused.FUSED or posenc_cls is None:
+      return
+    windowed = cfg.attention_window or cfg.attention_window_pattern
+    reason = fused.fused_misfit(
+      cfg.attention_impl,
+      bias=posenc_cls.acts_on_logits(),
+      content_bias=posenc_cls.content_bias is not None,
+      pieces=cfg.posenc.extension.kind != "none",
+      dropout=attention_dropout(cfg) > 0,
+      sinks=cfg.attention_sinks,
+      key_bias=cfg.forget_gate,
+      window=1 if windowed else 0,
+      window_kind=cfg.attention_window_kind,
+      global_tokens=cfg.global_tokens,
+    )
+    if reason:
+      raise ValueError(
+        f"model.attention_impl={cfg.attention_impl!r} cannot run posenc.kind="
+        f"{cfg.posenc.kind!r} here: {reason}"
+      )
 
   @classmethod
   def rotary_head_dim(cls, cfg, head_dim: int) -> int:

@@ -1,0 +1,450 @@
+"""JAX's own fused attention kernels behind the kernels' signature (kernels.py).
+
+  splash      TPU: Pallas splash attention (`jax.experimental.pallas.ops.tpu.splash_attention`):
+              block-sparse masks (causal, full, sliding / chunked / blockwise windows, global
+              tokens), segment ids for packed documents, GQA and sink logits; no logit bias.
+  flash_bias  TPU: Pallas flash attention (`jax.experimental.pallas.ops.tpu.flash_attention`),
+              which adds a dense bias `ab` [B, H, L, S] to the logits and returns its gradient:
+              the relative biases (T5, ALiBi, KERPLE, FIRE, Sandwich) and FoX's forget gate; every
+              mask is folded into that bias. No sinks, no GQA of its own (keys and values are
+              repeated over each group's query heads; their gradients sum back through the repeat).
+  cudnn       GPU: `jax.nn.dot_product_attention(implementation="cudnn")`: bias, causal and
+              causal sliding windows natively, any other mask as a boolean mask, GQA natively.
+
+On a machine without the kernel's hardware the Pallas kernels run in interpret mode (slow,
+exact) when asked for by name, which is how the tests check them on CPU; `auto` never picks a
+fused kernel there. `fused_misfit` says in one line why a call does not fit a kernel, and the
+kernel raises it; `auto_attention` uses it to fall back.
+
+The Pallas kernels tile the sequence by TPU lanes (128): sequences are padded to a multiple of
+it (padded keys get a segment id no query of the input has). Head dims the flash kernel does not
+take (above 128 and not a multiple of it) are padded to one on a TPU (zeros add nothing to q.k
+and give zero output columns, which are cut; logged), and values narrower than the queries
+(PoPE) to their width. Queries are scaled by 1 / sqrt(K) before
+the kernel, as every kernel here scales them.
+
+Splash's masks are functions of the token index within the sequence, not of the positions the
+model passes: they equal the position masks when positions count up by one within each segment
+(train.py, eval.py and generation's prefill). The masks that depend on where a position falls
+from the segment start (chunked, blockwise, global tokens) are refused with packed documents,
+whose positions restart mid-sequence.
+
+Dimension legend as kernels.py; P the padded sequence length, W the padded head width.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from absl import logging
+
+from roformer.nn.attention.primitives import NEG, add_key_bias, attention_mask, check_ranks
+
+LANES = 128  # TPU vector lanes: the Pallas TPU kernels' block and head-dim granularity
+FUSED_KERNELS = ("splash", "flash_bias", "cudnn")
+# The hardware each fused kernel compiles for.
+PLATFORM = {"splash": "tpu", "flash_bias": "tpu", "cudnn": "gpu"}
+# Pad head dims to a multiple of LANES: None = where a kernel needs it (tests set True to check the
+# padding). Compiled for v4 and v5e, splash takes any head dim (16, 64 and 192 tried); the flash
+# kernel takes any up to 128 and multiples of 128 above.
+PAD_HEAD_DIM: bool | None = None
+# Windows whose mask depends on a position's offset within its segment, not on index distances.
+_SEGMENT_ALIGNED = ("chunked", "blockwise")
+
+
+def fused_misfit(
+  kernel: str,
+  *,
+  bias: bool = False,
+  content_bias: bool = False,
+  pieces: bool = False,
+  dropout: bool = False,
+  sinks: bool = False,
+  key_bias: bool = False,
+  segments: bool = False,
+  window: int = 0,
+  window_kind: str = "sliding",
+  global_tokens: int = 0,
+  platform: str | None = None,
+) -> str | None:
+  """Why an attention call with these features does not fit `kernel`, or None when it does.
+
+  `platform` (None: any) adds the hardware check: cudnn needs a GPU (the Pallas kernels
+  interpret themselves anywhere)."""
+  if content_bias:
+    return "CoPE's content-dependent bias needs the logits, which only the dense kernel has"
+  if pieces:
+    return "piecewise positions (posenc.extension) rotate q and k per piece inside the kernel"
+  if dropout:
+    return "it has no attention dropout (set model.attention_dropout_rate=0, or dense/chunked)"
+  if kernel == "splash":
+    if bias or key_bias:
+      what = "a positional logit bias" if bias else "FoX's forget-gate bias"
+      return f"it adds no logit bias and the model adds {what}; use flash_bias"
+    if segments and window and (window_kind in _SEGMENT_ALIGNED or global_tokens):
+      form = "global tokens" if global_tokens else f"{window_kind} windows"
+      return f"its {form} count token indices, and packed documents restart positions"
+  if kernel == "flash_bias" and sinks:
+    return "it has no sink logit (model.attention_sinks); use splash"
+  if kernel == "cudnn":
+    if sinks:
+      return "cuDNN's kernel has no sink logit (model.attention_sinks)"
+    if platform not in (None, "gpu"):
+      return f"cuDNN runs on a GPU, not on {platform}"
+  return None
+
+
+def _features(kwargs, bias_BHLS) -> dict:
+  """`fused_misfit`'s arguments for one kernel call (kernels' keyword arguments)."""
+  return dict(
+    bias=bias_BHLS is not None,
+    content_bias=kwargs.get("content_bias_fn") is not None,
+    pieces=kwargs.get("pieces_fn") is not None,
+    dropout=kwargs.get("dropout_key") is not None and kwargs.get("dropout_rate", 0.0) > 0,
+    sinks=kwargs.get("sink_H") is not None,
+    key_bias=kwargs.get("key_bias_BSH") is not None,
+    segments=kwargs.get("qseg_BL") is not None,
+    window=kwargs.get("window", 0),
+    window_kind=kwargs.get("window_kind", "sliding"),
+    global_tokens=kwargs.get("global_tokens", 0),
+  )
+
+
+def _positional_bias(bias_fn, qpos_BL, kpos_BS):
+  return None if bias_fn is None else bias_fn(qpos_BL, kpos_BS)
+
+
+def _refuse(kernel: str, reason: str | None) -> None:
+  if reason is not None:
+    raise ValueError(f"model.attention_impl={kernel!r} cannot run this attention: {reason}")
+
+
+def _round_up(n: int, multiple: int) -> int:
+  return -(-n // multiple) * multiple
+
+
+def _block(padded: int, block: int) -> int:
+  """The largest multiple of LANES that divides `padded` and is at most max(block, LANES)."""
+  units = padded // LANES
+  best = max(1, min(units, block // LANES))
+  while units % best:
+    best -= 1
+  return best * LANES
+
+
+def _pad_axis(x, axis: int, size: int, value=0):
+  if x.shape[axis] == size:
+    return x
+  pad = [(0, 0)] * x.ndim
+  pad[axis] = (0, size - x.shape[axis])
+  return jnp.pad(x, pad, constant_values=value)
+
+
+def _head_width(q_BLHK, v_BSGV, lanes: bool) -> int:
+  """W: one width for queries, keys and values (values narrower than PoPE's keys are padded),
+  rounded up to a multiple of LANES when `lanes` (or PAD_HEAD_DIM) says so."""
+  width = max(q_BLHK.shape[-1], v_BSGV.shape[-1])
+  lanes = lanes if PAD_HEAD_DIM is None else PAD_HEAD_DIM
+  if lanes and width % LANES:
+    _log_once(f"attention head dim {width} padded to {_round_up(width, LANES)} (TPU lanes)")
+  return _round_up(width, LANES) if lanes else width
+
+
+def _segments_padded(qseg_BL, kseg_BS, B: int, L: int, S: int, P: int):
+  """Segment ids [B, P] of queries and keys, or None when neither padding nor packing needs them.
+  Padded keys get -1, which no real query carries (real ids are >= 0), so no real query sees one;
+  padded queries see only padded keys (their rows are cut)."""
+  if qseg_BL is None and P == L == S:
+    return None, None
+  qseg_BL = jnp.zeros((B, L), jnp.int32) if qseg_BL is None else qseg_BL.astype(jnp.int32)
+  kseg_BS = jnp.zeros((B, S), jnp.int32) if kseg_BS is None else kseg_BS.astype(jnp.int32)
+  return _pad_axis(qseg_BL, 1, P, -1), _pad_axis(kseg_BS, 1, P, -1)
+
+
+def target_platform() -> str:
+  """The platform the traced program is for: the devices of the current mesh (a TPU slice's when
+  compiling ahead of time on another machine), else JAX's default backend."""
+  mesh = jax.sharding.get_abstract_mesh()
+  device = None if mesh.empty else getattr(mesh, "abstract_device", None)
+  return device.platform if device is not None else jax.default_backend()
+
+
+def _mesh_specs(B: int, G: int):
+  """(batch axes, head axis) of the current mesh the kernel call is split over with shard_map
+  (a Pallas call is opaque to XLA's partitioner): the batch over the mesh's data and fsdp axes,
+  the heads over its tensor axis when the key/value heads divide evenly. None without a mesh of
+  more than one device."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    return None
+  sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+  batch = tuple(a for a in ("data", "fsdp") if sizes.get(a, 1) > 1)
+  if B % math.prod(sizes[a] for a in batch):
+    batch = ()
+  heads = "tensor" if sizes.get("tensor", 1) > 1 and G % sizes["tensor"] == 0 else None
+  return (batch or None), heads
+
+
+def _shard(fn, mesh_specs, args_specs):
+  """`fn(*args)` split over the current mesh by `args_specs` ((array, logical dims), ...), each
+  dim "B" (batch), "H" (heads) or None. The output is [B, L, H, W]."""
+  if mesh_specs is None:
+    return fn(*(a for a, _ in args_specs))
+  batch, heads = mesh_specs
+  P = jax.sharding.PartitionSpec
+  to_axes = {"B": batch, "H": heads, None: None}
+  in_specs = tuple(P(*(to_axes[d] for d in dims)) for _, dims in args_specs)
+  out_spec = P(batch, None, heads, None)
+  mapped = jax.shard_map(fn, in_specs=in_specs, out_specs=out_spec, check_vma=False)
+  return mapped(*(a for a, _ in args_specs))
+
+
+# ---------------------------------------------------------------------------------------------
+# splash
+
+
+@functools.cache
+def _index_mask(P: int, causal: bool, window: int, window_kind: str, global_tokens: int):
+  """Splash's computable mask of `attention_mask`'s rule on token indices [P, P], evaluated
+  lazily per block (no [P, P] array is built)."""
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+
+  def rule(q_ids, k_ids):  # numpy index arrays when planning blocks, traced ones in the kernel
+    allowed = (q_ids >= k_ids) if causal else (q_ids >= 0) & (k_ids >= 0)
+    if window > 0 and window_kind == "blockwise":
+      half = max(1, window // 2)
+      allowed = allowed & (k_ids // half >= q_ids // half - 1)
+    elif window > 0 and window_kind == "chunked":
+      allowed = allowed & (k_ids // window == q_ids // window)
+    elif window > 0:
+      near = (q_ids - k_ids < window) & (k_ids - q_ids < window)
+      if global_tokens > 0:
+        near = near | (q_ids < global_tokens) | (k_ids < global_tokens)
+      allowed = allowed & near
+    return allowed
+
+  class RuleMask(masks._ComputableMask):  # one class per rule (cached), so equal iff same type
+    def __eq__(self, other):
+      return type(other) is type(self)
+
+    def __hash__(self):
+      return hash((P, causal, window, window_kind, global_tokens))
+
+  return RuleMask(shape=(P, P), mask_function=rule)
+
+
+@functools.cache
+def _splash_kernel(H: int, P: int, block: int, rule: tuple, interpret: bool):
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+
+  mask = masks.MultiHeadMask([_index_mask(P, *rule)] * H)
+  blocks = splash.BlockSizes(
+    block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
+    block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block,
+  )  # fmt: skip
+  return splash.make_splash_mha(
+    mask, block_sizes=blocks, head_shards=1, q_seq_shards=1, interpret=interpret
+  )
+
+
+def splash_attention(q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS, **kwargs):
+  """Self-attention through Pallas splash attention; args and returns as `dense_attention`."""
+  check_ranks(q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS)
+  bias_BHLS = _positional_bias(kwargs.get("bias_fn"), qpos_BL, kpos_BS)
+  _refuse("splash", fused_misfit("splash", **_features(kwargs, bias_BHLS)))
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+
+  B, L, H, K = q_BLHK.shape
+  S, G, V = k_BSGK.shape[1], k_BSGK.shape[2], v_BSGK.shape[3]
+  if S != L:
+    raise ValueError(f"model.attention_impl='splash' runs self-attention; got L={L}, S={S}")
+  on = target_platform()
+  P, W = _round_up(L, LANES), _head_width(q_BLHK, v_BSGK, lanes=False)
+  q = _pad_axis(_pad_axis(q_BLHK * (1.0 / math.sqrt(K)), 3, W), 1, P)
+  k, v = (_pad_axis(_pad_axis(x, 3, W), 1, P) for x in (k_BSGK, v_BSGK))
+  qseg, kseg = _segments_padded(kwargs.get("qseg_BL"), kwargs.get("kseg_BS"), B, L, S, P)
+  rule = (
+    kwargs.get("causal", False), kwargs.get("window", 0), kwargs.get("window_kind", "sliding"),
+    kwargs.get("global_tokens", 0),
+  )  # fmt: skip
+  block, sink_H = _block(P, kwargs.get("block", 512)), kwargs.get("sink_H")
+
+  def run(q_BPHW, k_BPGW, v_BPGW, qseg_BP, kseg_BP, sink_H):
+    # The heads of this device's shard (all of them without a mesh).
+    kernel = _splash_kernel(q_BPHW.shape[2], P, block, rule, on != "tpu")
+
+    def one(q_HPW, k_GPW, v_GPW, qseg_P, kseg_P):
+      segments = None if qseg_P is None else splash.SegmentIds(q=qseg_P, kv=kseg_P)
+      return kernel(q_HPW, k_GPW, v_GPW, segment_ids=segments, sinks=sink_H)
+
+    heads_first = lambda x: None if x is None else x.transpose(0, 2, 1, 3)  # noqa: E731
+    o_BHPW = jax.vmap(one)(*map(heads_first, (q_BPHW, k_BPGW, v_BPGW)), qseg_BP, kseg_BP)
+    return o_BHPW.transpose(0, 2, 1, 3)
+
+  specs = _mesh_specs(B, G)
+  o_BPHW = _shard(
+    run, specs,
+    ((q, ("B", None, "H", None)), (k, ("B", None, "H", None)), (v, ("B", None, "H", None)),
+     (qseg, ("B", None)), (kseg, ("B", None)), (sink_H, ("H",))),
+  )  # fmt: skip
+  return o_BPHW[:, :L, :, :V].astype(q_BLHK.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# flash_bias
+
+
+def flash_bias_attention(q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS, **kwargs):
+  """Self-attention through the Pallas flash attention with a dense logit bias; args and returns
+  as `dense_attention`. The bias is the encoding's, plus FoX's -c_j, plus NEG where the mask
+  (causal, windows, global tokens, all on positions) forbids a pair; with no bias and no window
+  there is none, and the kernel's causal flag (on indices, as splash's masks) and segment ids
+  mask alone."""
+  check_ranks(q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS)
+  bias_BHLS = _positional_bias(kwargs.get("bias_fn"), qpos_BL, kpos_BS)
+  _refuse("flash_bias", fused_misfit("flash_bias", **_features(kwargs, bias_BHLS)))
+  from jax.experimental.pallas.ops.tpu import flash_attention as flash
+
+  B, L, H, K = q_BLHK.shape
+  S, G, V = k_BSGK.shape[1], k_BSGK.shape[2], v_BSGK.shape[3]
+  if S != L:
+    raise ValueError(f"model.attention_impl='flash_bias' runs self-attention; got L={L}, S={S}")
+  on = target_platform()
+  width = max(K, V)
+  P, W = _round_up(L, LANES), _head_width(q_BLHK, v_BSGK, lanes=on == "tpu" and width > LANES)
+  causal, window = kwargs.get("causal", False), kwargs.get("window", 0)
+  ab_BHLS = add_key_bias(bias_BHLS, kwargs.get("key_bias_BSH"), L)
+  ab_BHPP = None  # no bias and no window: the kernel's causal flag and segment ids suffice
+  if ab_BHLS is not None or window > 0:
+    allowed_BLS = attention_mask(
+      qpos_BL, kpos_BS, causal=causal, window=window,
+      window_kind=kwargs.get("window_kind", "sliding"),
+      global_tokens=kwargs.get("global_tokens", 0),
+    )  # fmt: skip
+    ab_BHLS = jnp.zeros((B, H, L, S), jnp.float32) if ab_BHLS is None else ab_BHLS
+    ab_BHLS = jnp.broadcast_to(ab_BHLS.astype(jnp.float32), (B, H, L, S))
+    ab_BHLS = jnp.where(allowed_BLS[:, None], ab_BHLS, NEG)
+    ab_BHPP = _pad_axis(_pad_axis(ab_BHLS, 2, P), 3, P)
+  R = H // G
+  q = _pad_axis(_pad_axis(q_BLHK * (1.0 / math.sqrt(K)), 3, W), 1, P)
+  # The kernel wants as many key/value heads as query heads: head h = g * R + r reads group g.
+  k, v = (jnp.repeat(_pad_axis(_pad_axis(x, 3, W), 1, P), R, axis=2) for x in (k_BSGK, v_BSGK))
+  qseg, kseg = _segments_padded(kwargs.get("qseg_BL"), kwargs.get("kseg_BS"), B, L, S, P)
+  block = _block(P, kwargs.get("block", 512))
+  sizes = flash.BlockSizes(
+    block_q=block, block_k_major=block, block_k=block, block_b=1, block_q_major_dkv=block,
+    block_k_major_dkv=block, block_k_dkv=block, block_q_dkv=block, block_k_major_dq=block,
+    block_k_dq=block, block_q_dq=block,
+  )  # fmt: skip
+
+  def run(q_BPHW, k_BPHW, v_BPHW, ab_BHPP, qseg_BP, kseg_BP):
+    heads_first = lambda x: x.transpose(0, 2, 1, 3)  # noqa: E731
+    segments = None if qseg_BP is None else flash.SegmentIds(q=qseg_BP, kv=kseg_BP)
+    o_BHPW = flash.flash_attention(
+      *map(heads_first, (q_BPHW, k_BPHW, v_BPHW)), ab_BHPP, segments, causal=causal,
+      sm_scale=1.0, block_sizes=sizes,
+    )  # fmt: skip
+    return o_BHPW.transpose(0, 2, 1, 3)
+
+  if on != "tpu":  # explicitly asked for off a TPU: Pallas's TPU interpreter
+    run = _interpreted(run)
+  o_BPHW = _shard(
+    run, _mesh_specs(B, H),
+    ((q, ("B", None, "H", None)), (k, ("B", None, "H", None)), (v, ("B", None, "H", None)),
+     (ab_BHPP, ("B", "H", None, None)), (qseg, ("B", None)), (kseg, ("B", None))),
+  )  # fmt: skip
+  return o_BPHW[:, :L, :, :V].astype(q_BLHK.dtype)
+
+
+def _interpreted(fn):
+  """`fn` with the Pallas TPU kernels it traces, forward and backward, in interpret mode. The
+  flash kernel has no `interpret` argument and its backward pass is traced after the forward
+  one, outside any context manager around the call: this VJP re-enters it for both.
+
+  The mode is `True`, Pallas's HLO interpreter (what splash's `interpret=True` selects), not an
+  `InterpretParams`, whose TPU simulator (threads standing in for cores and DMAs) stalls in
+  some runs on a CPU."""
+  import jax.experimental.pallas.tpu as pltpu
+
+  @jax.custom_vjp
+  def call(*args):
+    with pltpu.force_tpu_interpret_mode(True):
+      return fn(*args)
+
+  def call_fwd(*args):
+    with pltpu.force_tpu_interpret_mode(True):
+      return jax.vjp(fn, *args)
+
+  def call_bwd(vjp_fn, g):
+    with pltpu.force_tpu_interpret_mode(True):
+      return vjp_fn(g)
+
+  call.defvjp(call_fwd, call_bwd)
+  return call
+
+
+# ---------------------------------------------------------------------------------------------
+# cudnn
+
+
+def cudnn_attention(q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS, *, implementation="cudnn", **kwargs):
+  """Self-attention through `jax.nn.dot_product_attention`; args and returns as
+  `dense_attention`. Causal attention and causal sliding windows go to cuDNN as such (it skips
+  the masked blocks); segments and every other window as a boolean mask on positions.
+
+  `implementation="xla"` runs the same call through XLA's implementation, which checks this
+  adapter's arguments on any machine (the tests do; cuDNN itself needs a GPU)."""
+  check_ranks(q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS)
+  bias_BHLS = _positional_bias(kwargs.get("bias_fn"), qpos_BL, kpos_BS)
+  on = None if implementation == "xla" else target_platform()
+  _refuse("cudnn", fused_misfit("cudnn", **_features(kwargs, bias_BHLS), platform=on))
+  B, L, H, K = q_BLHK.shape
+  V = v_BSGK.shape[3]
+  causal, window = kwargs.get("causal", False), kwargs.get("window", 0)
+  window_kind, global_tokens = kwargs.get("window_kind", "sliding"), kwargs.get("global_tokens", 0)
+  qseg_BL, kseg_BS = kwargs.get("qseg_BL"), kwargs.get("kseg_BS")
+  native_window = causal and window > 0 and window_kind == "sliding" and not global_tokens
+  mask_B1LS = None
+  if qseg_BL is not None or (window > 0 and not native_window):
+    mask_B1LS = attention_mask(
+      qpos_BL, kpos_BS, qseg_BL, kseg_BS, causal=causal, window=window,
+      window_kind=window_kind, global_tokens=global_tokens,
+    )[:, None]  # fmt: skip
+  bias = add_key_bias(bias_BHLS, kwargs.get("key_bias_BSH"), L)
+  W = max(K, V)  # values as wide as PoPE's keys
+  o_BLHW = jax.nn.dot_product_attention(
+    q_BLHK, k_BSGK, _pad_axis(v_BSGK, 3, W),
+    bias=None if bias is None else bias.astype(q_BLHK.dtype), mask=mask_B1LS,
+    scale=1.0 / math.sqrt(K), is_causal=causal,
+    local_window_size=(window - 1, 0) if native_window else None,
+    implementation=implementation,
+  )  # fmt: skip
+  return o_BLHW[..., :V]
+
+
+FUSED = {"splash": splash_attention, "flash_bias": flash_bias_attention, "cudnn": cudnn_attention}
+
+
+def pick_fused(q_BLHK, kwargs, bias_BHLS, platform: str) -> str | None:
+  """The fused kernel `auto` uses on `platform` for this call, or None (the XLA kernels):
+  splash, else flash_bias on a TPU; cudnn on a GPU; none on a CPU."""
+  features = _features(kwargs, bias_BHLS)
+  for kernel in ("splash", "flash_bias", "cudnn"):
+    if PLATFORM[kernel] != platform:
+      continue
+    reason = fused_misfit(kernel, **features, platform=platform)
+    if reason is None:
+      _log_once(f"attention_impl=auto, q {tuple(q_BLHK.shape)}: {kernel}")
+      return kernel
+    _log_once(f"attention_impl=auto, q {tuple(q_BLHK.shape)}: not {kernel}, {reason}")
+  return None
+
+
+@functools.cache
+def _log_once(message: str) -> None:
+  # Tracing runs once per compile, and each message is logged once per process.
+  logging.info(message)

@@ -1,0 +1,347 @@
+"""roformer/nn/attention/fused.py: JAX's fused kernels (Pallas splash and flash attention in
+interpret mode on this CPU; the cuDNN adapter through XLA's implementation of the same call)
+against the dense kernel, forward and gradients, for every form the docs' table says runs fused;
+the refusals, one line each; and `auto`'s choice per platform."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from roformer import testing
+from roformer.nn.attention import fused, kernels
+from roformer.posenc import make_posenc
+from roformer.posenc.config import PosEncConfig
+
+# L = 100 is padded to 128 (one TPU lane block), so padding is always exercised.
+B, L, H, G, K = 2, 100, 4, 2, 8
+TOL = 1e-5
+
+
+def _normal(shape, seed):
+  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
+
+
+def _posenc(kind, causal, num_kv_heads=G, **fields):
+  cfg = PosEncConfig(kind=kind, max_len=512, **fields)
+  with nnx.use_eager_sharding(False):
+    return make_posenc(
+      cfg, num_heads=H, head_dim=K, emb_dim=H * K, causal=causal, num_kv_heads=num_kv_heads,
+      rngs=nnx.Rngs(3),
+    )  # fmt: skip
+
+
+def _packed(length=L):
+  """Two documents per row, split at different places, positions restarting at each (packing)."""
+  split = jnp.array([[60], [23]])
+  idx = jnp.arange(length)[None, :]
+  seg = (idx >= split).astype(jnp.int32)
+  return jnp.where(seg == 1, idx - split, idx), seg
+
+
+def _offset_positions(length=L):
+  # Row 1 starts at 100: a mask on distances is the same on indices and on positions.
+  return jnp.arange(length)[None, :] + jnp.array([[0], [100]])
+
+
+def _compare(kernel, kind="rope", *, causal=True, groups=G, positions="offset", packed=False,
+             extra_bias=False, sinks=False, forget=False, **kwargs):  # fmt: skip
+  """Max |fused - dense| over the output and the gradients of a random projection of it with
+  respect to q, k, v (and the extra bias, sinks, and key bias when used), after the encoding's
+  rotation. Returns (max error, max magnitude)."""
+  posenc = _posenc(kind, causal, num_kv_heads=groups)
+  q, k, v = _normal((B, L, H, K), 0), _normal((B, L, groups, K), 1), _normal((B, L, groups, K), 2)
+  seg = None
+  if packed:
+    pos, seg = _packed()
+  elif positions == "offset":
+    pos = _offset_positions()
+  else:
+    pos = jnp.broadcast_to(jnp.arange(L), (B, L))
+  q, k = posenc.rotate(q, k, pos, pos, posenc.prepare(pos))
+  cotangent = _normal((B, L, H, v.shape[-1]), 3)
+  extra = {
+    "bias": _normal((1, H, L, L), 4) if extra_bias else None,
+    "sink_H": _normal((H,), 5) if sinks else None,
+    "key_bias_BSH": -jnp.cumsum(jax.nn.softplus(_normal((B, L, H), 6)), 1) if forget else None,
+  }
+
+  def loss(fn, q, k, v, extra):
+    def bias_fn(qpos, kpos):
+      b = posenc.bias(qpos, kpos)
+      if extra["bias"] is None:
+        return b
+      return extra["bias"] if b is None else b + extra["bias"]
+
+    o = fn(
+      q, k, v, pos, pos, qseg_BL=seg, kseg_BS=seg, causal=causal, bias_fn=bias_fn,
+      content_bias_fn=posenc.content_bias, sink_H=extra["sink_H"],
+      key_bias_BSH=extra["key_bias_BSH"], **kwargs,
+    )  # fmt: skip
+    return (o * cotangent).sum(), o
+
+  grad = jax.grad(loss, argnums=(1, 2, 3, 4), has_aux=True)
+  got_g, got = grad(kernel, q, k, v, extra)
+  want_g, want = grad(kernels.dense_attention, q, k, v, extra)
+  pairs = [(got, want)] + list(zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g), strict=True))
+  err = max(float(jnp.abs(a - b).max()) for a, b in pairs)
+  scale = max(float(jnp.abs(b).max()) for _, b in pairs)
+  return err, scale
+
+
+SPLASH_CASES = {
+  "rope causal GQA": dict(kind="rope"),
+  "rope MQA": dict(kind="rope", groups=1),
+  "rope encoder packed": dict(kind="rope", causal=False, packed=True),
+  "rope decoder packed": dict(kind="rope", packed=True),
+  "xpos": dict(kind="xpos"),
+  "nope sliding window packed": dict(kind="nope", packed=True, window=16),
+  "rope encoder sliding window": dict(kind="rope", causal=False, window=9),
+  "rope encoder window + global tokens": dict(
+    kind="rope", causal=False, window=9, global_tokens=3, positions="zero"
+  ),
+  "rope chunked (iRoPE)": dict(kind="rope", window=32, window_kind="chunked", positions="zero"),
+  "xpos blockwise (BCA)": dict(kind="xpos", window=32, window_kind="blockwise", positions="zero"),
+  "sinusoidal sinks": dict(kind="sinusoidal", sinks=True),
+  "rope sinks sliding": dict(kind="rope", sinks=True, window=16),
+  "pope (keys twice as wide)": dict(kind="pope"),
+}
+
+
+@pytest.mark.parametrize("case", list(SPLASH_CASES))
+def test_splash_equals_dense_forward_and_gradients(case):
+  err, scale = _compare(fused.splash_attention, **SPLASH_CASES[case])
+  assert err <= TOL * max(1.0, scale), (err, scale)
+
+
+@pytest.mark.parametrize("kernel", ["splash_attention", "flash_bias_attention"])
+def test_head_dims_padded_to_tpu_lanes_change_nothing(monkeypatch, kernel):
+  monkeypatch.setattr(fused, "PAD_HEAD_DIM", True)  # as flash_bias on a TPU above 128: 16 -> 128
+  widths = []
+  real = fused._head_width
+
+  def recorded(*args, **kwargs):
+    widths.append(real(*args, **kwargs))
+    return widths[-1]
+
+  monkeypatch.setattr(fused, "_head_width", recorded)
+  case = dict(sinks=True) if kernel == "splash_attention" else dict(extra_bias=True)
+  err, scale = _compare(getattr(fused, kernel), kind="pope", **case)  # q, k 16 wide, v 8
+  assert err <= TOL * max(1.0, scale)
+  assert widths and set(widths) == {fused.LANES}
+
+
+FLASH_BIAS_CASES = {
+  "t5 encoder packed": dict(kind="t5", causal=False, packed=True),
+  "t5 decoder": dict(kind="t5"),
+  "alibi encoder": dict(kind="alibi", causal=False),
+  "alibi decoder sliding window": dict(kind="alibi", window=16),
+  "kerple": dict(kind="kerple"),
+  "fire": dict(kind="fire"),
+  "sandwich": dict(kind="sandwich"),
+  "rope + learned bias (dab)": dict(kind="rope", extra_bias=True),
+  "fox (nope + forget gate)": dict(kind="nope", forget=True, packed=True),
+  "t5 chunked window": dict(kind="t5", window=32, window_kind="chunked", positions="zero"),
+  "alibi MQA": dict(kind="alibi", groups=1),
+}
+
+
+@pytest.mark.parametrize("case", list(FLASH_BIAS_CASES))
+def test_flash_bias_equals_dense_forward_and_gradients(case):
+  err, scale = _compare(fused.flash_bias_attention, **FLASH_BIAS_CASES[case])
+  assert err <= TOL * max(1.0, scale), (err, scale)
+
+
+CUDNN_CASES = {
+  "rope causal GQA": dict(kind="rope"),
+  "rope sliding window (native)": dict(kind="rope", window=16),
+  "t5 encoder packed (mask)": dict(kind="t5", causal=False, packed=True),
+  "alibi blockwise (mask)": dict(kind="alibi", window=32, window_kind="blockwise"),
+  "pope": dict(kind="pope"),
+  "fox": dict(kind="nope", forget=True),
+}
+
+
+@pytest.mark.parametrize("case", list(CUDNN_CASES))
+def test_cudnn_adapter_equals_dense_through_xla(case):
+  xla = functools.partial(fused.cudnn_attention, implementation="xla")
+  err, scale = _compare(xla, **CUDNN_CASES[case])
+  assert err <= TOL * max(1.0, scale), (err, scale)
+
+
+def test_a_wrong_mask_rule_is_caught(monkeypatch):
+  """Negative control: the comparison sees a window one key wider than the dense kernel's."""
+  real = fused._index_mask
+
+  def one_wider(P, causal, window, window_kind, global_tokens):
+    return real(P, causal, window + 1, window_kind, global_tokens)
+
+  fused._splash_kernel.cache_clear()
+  monkeypatch.setattr(fused, "_index_mask", one_wider)
+  err, scale = _compare(fused.splash_attention, kind="rope", window=16)
+  fused._splash_kernel.cache_clear()
+  assert err > 1e-3 * scale
+
+
+REFUSALS = [
+  (fused.splash_attention, dict(kind="alibi"), "splash.*logit bias.*flash_bias"),
+  (fused.splash_attention, dict(kind="nope", forget=True), "splash.*forget-gate"),
+  (
+    fused.splash_attention,
+    dict(kind="rope", packed=True, window=32, window_kind="chunked"),
+    "splash.*chunked windows count token indices",
+  ),
+  (fused.flash_bias_attention, dict(kind="t5", sinks=True), "flash_bias.*sink logit.*splash"),
+  (fused.cudnn_attention, dict(kind="rope"), "cudnn.*cuDNN runs on a GPU, not on cpu"),
+  (fused.cudnn_attention, dict(kind="rope", sinks=True), "cudnn.*sink logit"),
+]
+
+
+@pytest.mark.parametrize("kernel, case, message", REFUSALS)
+def test_calls_a_kernel_cannot_run_are_refused_in_one_line(kernel, case, message):
+  with pytest.raises(ValueError, match=message) as info:
+    _compare(kernel, **case)
+  assert "\n" not in str(info.value)
+
+
+def test_cope_and_dropout_are_refused_by_every_fused_kernel():
+  for kernel in fused.FUSED:
+    assert "dense kernel" in fused.fused_misfit(kernel, content_bias=True)
+    assert "dropout" in fused.fused_misfit(kernel, dropout=True)
+    assert "per piece" in fused.fused_misfit(kernel, pieces=True)
+
+
+@pytest.mark.parametrize(
+  "overrides, message",
+  [
+    ({"attention_impl": "splash", "posenc.kind": "alibi"}, "splash.*alibi.*flash_bias"),
+    ({"attention_impl": "splash", "forget_gate": True, "posenc.kind": "nope"}, "forget-gate"),
+    ({"attention_impl": "flash_bias", "attention_sinks": True}, "sink logit"),
+    ({"attention_impl": "splash", "posenc.kind": "cope"}, "CoPE"),
+    ({"attention_impl": "splash", "dropout_rate": 0.1}, "attention dropout"),
+  ],
+)
+def test_model_configs_a_fused_kernel_cannot_run_are_refused(overrides, message):
+  from roformer.nn.config import ModelConfig
+
+  posenc = {k.split(".")[1]: v for k, v in overrides.items() if k.startswith("posenc.")}
+  model = {k: v for k, v in overrides.items() if not k.startswith("posenc.")}
+  with pytest.raises(ValueError, match=message):
+    ModelConfig(kind="decoder", posenc=PosEncConfig(**{"kind": "rope", **posenc}), **model)
+
+
+@pytest.mark.parametrize(
+  "platform, case, picked",
+  [
+    ("tpu", dict(kind="rope"), "splash"),
+    ("tpu", dict(kind="rope", sinks=True, window=16), "splash"),
+    ("tpu", dict(kind="alibi"), "flash_bias"),
+    ("tpu", dict(kind="nope", forget=True), "flash_bias"),
+    ("tpu", dict(kind="alibi", sinks=True), None),
+    ("tpu", dict(kind="cope"), None),
+    ("gpu", dict(kind="t5", causal=False), "cudnn"),
+    ("gpu", dict(kind="rope", sinks=True), None),
+    ("cpu", dict(kind="rope"), None),
+  ],
+)
+def test_auto_picks_the_fastest_kernel_the_platform_and_encoding_allow(
+  monkeypatch, platform, case, picked
+):
+  calls = []
+
+  def recorder(name):
+    def kernel(q, k, v, *args, **kwargs):
+      calls.append(name)
+      return jnp.zeros(q.shape[:3] + v.shape[-1:], q.dtype)
+
+    return kernel
+
+  for name in fused.FUSED:
+    monkeypatch.setitem(fused.FUSED, name, recorder(name))
+  monkeypatch.setattr(fused, "target_platform", lambda: platform)
+  _compare(kernels.auto_attention, **case, block=512)
+  assert (calls[0] if calls else None) == picked
+
+
+def test_auto_on_cpu_is_unchanged_by_the_fused_kernels(monkeypatch):
+  """auto on a CPU never reaches fused.py: training losses cannot change."""
+  monkeypatch.setattr(fused, "pick_fused", lambda *a: pytest.fail("auto consulted fused"))
+  for case in (dict(kind="rope"), dict(kind="alibi", window=16)):
+    err, _ = _compare(kernels.auto_attention, **case, block=8)  # the chunked path at L = 100
+    assert err < 1e-5
+
+
+MODEL_CASES = {
+  "softmax, GQA, QK-norm, sinks": dict(num_kv_heads=2, attention_sinks=True, qk_norm="rmsnorm"),
+  "mla": dict(attention="mla", kv_lora_rank=16, qk_rope_head_dim=4),
+}
+
+
+@pytest.mark.parametrize("case", list(MODEL_CASES))
+def test_splash_in_the_model_equals_dense_in_a_training_step(case):
+  """A decoder whose attention_impl is splash: the loss and every parameter gradient equal the
+  dense kernel's (the attention layers' own paths: projections, QK-norm, sinks, GQA, MLA's
+  latent keys, whose queries and keys are wider than its values)."""
+  from roformer.nn.config import ModelConfig
+  from roformer.nn.model import make_model
+
+  def loss_and_grads(impl):
+    cfg = ModelConfig(
+      kind="decoder", vocab_size=64, num_layers=2, emb_dim=32, num_heads=4, mlp_dim=64,
+      attention_impl=impl, posenc=PosEncConfig(kind="rope"), **MODEL_CASES[case],
+    )  # fmt: skip
+    model = make_model(cfg, rngs=nnx.Rngs(0))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 100)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(100), (2, 100))
+
+    def loss(model):
+      logits = model(tokens, positions)
+      return -jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[..., None], -1).mean()
+
+    return nnx.value_and_grad(loss)(model)
+
+  (l_dense, g_dense), (l_splash, g_splash) = loss_and_grads("dense"), loss_and_grads("splash")
+  assert abs(float(l_dense - l_splash)) < 1e-6
+  for a, b in zip(jax.tree.leaves(g_splash), jax.tree.leaves(g_dense), strict=True):
+    np.testing.assert_allclose(a, b, atol=TOL * max(1.0, float(jnp.abs(b).max())))
+
+
+SHARDED = """
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from roformer.config import MeshConfig
+from roformer.infra.sharding import make_mesh
+from roformer.nn.attention import fused, kernels
+mesh = make_mesh(MeshConfig(data=2, fsdp=1, tensor=2))
+r = np.random.default_rng(0)
+shapes = [(4, 100, 4, 8), (4, 100, 2, 8), (4, 100, 2, 8)]
+q, k, v = (jnp.asarray(r.standard_normal(s), jnp.float32) for s in shapes)
+pos = jnp.broadcast_to(jnp.arange(100), (4, 100))
+sink = jnp.asarray(r.standard_normal(4), jnp.float32)
+ab = jnp.asarray(r.standard_normal((1, 4, 100, 100)), jnp.float32)
+put = lambda x: jax.device_put(x, NamedSharding(mesh, P("data", None, "tensor", None)))
+with jax.set_mesh(mesh):
+  for name, kw in (("splash", dict(sink_H=sink)), ("flash_bias", dict(bias_fn=lambda a, b: ab))):
+    kw = dict(causal=True, window=16, **kw)
+    fn = getattr(fused, name + "_attention")
+    got = jax.jit(lambda q, k, v: fn(q, k, v, pos, pos, **kw))(put(q), put(k), put(v))
+    print(name, float(jnp.abs(got - kernels.dense_attention(q, k, v, pos, pos, **kw)).max()))
+"""
+
+
+@pytest.mark.slow
+def test_fused_kernels_split_over_batch_and_heads_of_a_mesh():
+  """Batch over data, heads (their sinks and bias rows) over tensor, by shard_map."""
+  import subprocess
+  import sys
+
+  out = subprocess.run(
+    [sys.executable, "-c", SHARDED], env=testing.subprocess_env(devices=4),
+    capture_output=True, text=True, check=True, timeout=600,
+  ).stdout  # fmt: skip
+  errors = dict(line.split() for line in out.strip().splitlines())
+  assert set(errors) == {"splash", "flash_bias"}
+  assert all(float(e) < TOL for e in errors.values()), errors
