@@ -6,7 +6,8 @@ data.mlm_probability; decoder: every position scored). Prints one table and opti
 as JSON. FLOPs per token (6 x matmul parameters + 12 x layers x L x H x K, as in the PaLM
 paper) are reported two ways: executed (the encoder's output layer at the step's max_predictions
 positions per row) and nominal (at every position); XLA's own count of the compiled step is
-printed too. MFU divides achieved FLOP/s by a matmul peak measured in the same process.
+printed too. MFU divides achieved FLOP/s by a matmul peak measured in the same process (times
+the devices); on a TPU or GPU of `CHIP_PEAK_BF16` also by the chip's datasheet peak.
 
 With --compare_hf (or --compare-hf), the Hugging Face model a user would otherwise train, of the
 same shape, trains with torch AdamW (the same hyperparameters) on the same batch in the same
@@ -110,6 +111,20 @@ def executed_head_fraction(run_config) -> float:
   return capacity / run_config.data.seq_len if capacity else 1.0
 
 
+# Dense bfloat16 matmul peak per device (a v4 / v5p chip in megacore mode is one device), from
+# the vendors' datasheets: the denominator of MFU on accelerators, where a measured matmul falls
+# short of the chip.
+CHIP_PEAK_BF16 = {
+  "TPU v4": 275e12,
+  "TPU v5 lite": 197e12,
+  "TPU v5": 459e12,
+  "TPU v6 lite": 918e12,
+  "NVIDIA A100-SXM4-40GB": 312e12,
+  "NVIDIA A100-SXM4-80GB": 312e12,
+  "NVIDIA H100 80GB HBM3": 989e12,
+}
+
+
 def measure_peak(size: int, dtype: str) -> float:
   """FLOP/s of a jitted square matmul in `dtype` (median of 5)."""
   import jax
@@ -149,13 +164,16 @@ def benchmark(run_config, *, steps, repeats, warmup, peak_size, compare_hf) -> d
   executed = flops_per_token(run_config, head_fraction=executed_head_fraction(run_config))
   nominal = flops_per_token(run_config)
   m = run_config.model
+  devices = jax.device_count()
+  chip_peak = CHIP_PEAK_BF16.get(jax.devices()[0].device_kind, 0.0) * devices
+  peak *= devices  # one device measured; the step runs on all of them
   result = {
     "kind": m.kind,
     "shape": (
       f"{m.num_layers}x{m.emb_dim} H{m.num_heads} F{m.mlp_dim} V{m.vocab_size} "
       f"B{run_config.train.global_batch_size} L{run_config.data.seq_len} {m.dtype}"
     ),
-    "devices": f"{jax.device_count()} {jax.devices()[0].platform}",
+    "devices": f"{devices} {jax.devices()[0].platform} ({jax.devices()[0].device_kind})",
     "compile_seconds": ours.compile_seconds,
     "tokens_per_sec": tokens_per_sec,
     "tokens_per_sec_runs": [tokens_per_step * steps / s for s in ours_s],
@@ -165,6 +183,8 @@ def benchmark(run_config, *, steps, repeats, warmup, peak_size, compare_hf) -> d
     "peak_flops_per_sec": peak,
     "mfu_executed": executed * tokens_per_sec / peak,
     "mfu_nominal": nominal * tokens_per_sec / peak,
+    "chip_peak_flops_per_sec": chip_peak,
+    "mfu_chip": executed * tokens_per_sec / chip_peak if chip_peak else None,
   }
   if hf is not None:
     result["hf_tokens_per_sec"] = tokens_per_step * steps / statistics.median(hf_s)
@@ -190,6 +210,11 @@ def format_table(result: dict) -> str:
     ("MFU executed", f"{100 * result['mfu_executed']:.1f}%"),
     ("MFU nominal", f"{100 * result['mfu_nominal']:.1f}%"),
   ]
+  if result.get("mfu_chip") is not None:  # a TPU or GPU of the datasheet table
+    rows += [
+      ("chip peak bf16 (TFLOP/s, datasheet)", f"{result['chip_peak_flops_per_sec'] / 1e12:,.0f}"),
+      ("MFU executed, of the chip peak", f"{100 * result['mfu_chip']:.1f}%"),
+    ]
   if "hf_tokens_per_sec" in result:
     hf_model = result["hf_model"] + (f" ({result['hf_note']})" if result["hf_note"] else "")
     rows += [

@@ -28,6 +28,8 @@ def test_throughput_smoke_reports_speed_and_flops(tmp_path):
   assert result["executed_flops_per_token"] > 0
   assert result["mfu_executed"] > 0 and result["peak_flops_per_sec"] > 0
   assert "ours / HF" not in proc.stdout  # only with --compare_hf
+  # A CPU has no datasheet peak: no chip MFU (a TPU or GPU of CHIP_PEAK_BF16 gets one).
+  assert result["mfu_chip"] is None and "chip peak" not in proc.stdout
 
 
 def test_matmul_table_covers_both_dtypes(tmp_path):
