@@ -69,11 +69,15 @@ def fused_misfit(
   window_kind: str = "sliding",
   global_tokens: int = 0,
   platform: str | None = None,
+  dtype: str = "",
+  head_dim: int = 0,
+  length: int = 0,
 ) -> str | None:
   """Why an attention call with these features does not fit `kernel`, or None when it does.
 
   `platform` (None: any) adds the hardware check: cudnn needs a GPU (the Pallas kernels
-  interpret themselves anywhere)."""
+  interpret themselves anywhere). `dtype`, `head_dim` (the q/k width) and `length` ("" or 0:
+  unknown) add cuDNN's limits."""
   if content_bias:
     return "CoPE's content-dependent bias needs the logits, which only the dense kernel has"
   if pieces:
@@ -94,6 +98,29 @@ def fused_misfit(
       return "cuDNN's kernel has no sink logit (model.attention_sinks)"
     if platform not in (None, "gpu"):
       return f"cuDNN runs on a GPU, not on {platform}"
+    if dtype and dtype not in ("bfloat16", "float16"):
+      return f"cuDNN's flash attention takes bfloat16 or float16, not {dtype} (model.dtype)"
+    if head_dim and (head_dim % 8 or head_dim > 128):
+      return f"cuDNN takes head dims that are multiples of 8 up to 128, not {head_dim}"
+    if length % 2 and (bias or key_bias):
+      return f"cuDNN adds a bias only at even lengths, not {length}"
+  return None
+
+
+# `auto` leaves a call to the XLA kernels when a [B, H, L, S] float32 bias (flash_bias) would
+# take more than this per device; the chunked kernel computes it block by block.
+AUTO_BIAS_BYTES = 1 << 30
+
+
+def auto_misfit(kernel: str, features: dict, *, bias_bytes: int) -> str | None:
+  """What `auto` adds to `fused_misfit`: no windows (the banded XLA kernel visits only the
+  window's key blocks; splash's and cuDNN's windows count token indices, which differ from
+  positions under randomized or offset positions), and no flash_bias whose dense bias would
+  exceed AUTO_BIAS_BYTES per device."""
+  if features["window"]:
+    return "windows go to the banded XLA kernel"
+  if kernel == "flash_bias" and bias_bytes > AUTO_BIAS_BYTES:
+    return f"its [B, H, L, S] bias would take {bias_bytes / (1 << 30):.1f} GiB per device"
   return None
 
 
@@ -400,9 +427,11 @@ def cudnn_attention(q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS, *, implementation=
   adapter's arguments on any machine (the tests do; cuDNN itself needs a GPU)."""
   check_ranks(q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS)
   bias_BHLS = _positional_bias(kwargs.get("bias_fn"), qpos_BL, kpos_BS)
-  on = None if implementation == "xla" else target_platform()
-  _refuse("cudnn", fused_misfit("cudnn", **_features(kwargs, bias_BHLS), platform=on))
   B, L, H, K = q_BLHK.shape
+  on, shape = None, {}
+  if implementation != "xla":  # XLA's implementation has none of cuDNN's limits
+    on, shape = target_platform(), dict(dtype=jnp.dtype(q_BLHK.dtype).name, head_dim=K, length=L)
+  _refuse("cudnn", fused_misfit("cudnn", **_features(kwargs, bias_BHLS), platform=on, **shape))
   V = v_BSGK.shape[3]
   causal, window = kwargs.get("causal", False), kwargs.get("window", 0)
   window_kind, global_tokens = kwargs.get("window_kind", "sliding"), kwargs.get("global_tokens", 0)
@@ -414,7 +443,18 @@ def cudnn_attention(q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS, *, implementation=
       qpos_BL, kpos_BS, qseg_BL, kseg_BS, causal=causal, window=window,
       window_kind=window_kind, global_tokens=global_tokens,
     )[:, None]  # fmt: skip
-  bias = add_key_bias(bias_BHLS, kwargs.get("key_bias_BSH"), L)
+  bias = bias_BHLS
+  if (kb_BSH := kwargs.get("key_bias_BSH")) is not None:
+    if k_BSGK.shape[1] != L:
+      raise ValueError(
+        f"model.attention_impl='cudnn' runs self-attention; got L={L}, S={k_BSGK.shape[1]}"
+      )
+    # FoX's -c_j grows with the position; each row's own -c_i, which the softmax ignores, is
+    # taken off first (self-attention: key i is query i), so the bias cast to the compute
+    # dtype below holds c_i - c_j, small near the diagonal, not the large absolute -c_j.
+    kb_BHS = kb_BSH.astype(jnp.float32).transpose(0, 2, 1)
+    rel_BHLS = kb_BHS[:, :, None, :] - kb_BHS[:, :, :, None]
+    bias = rel_BHLS if bias is None else bias.astype(jnp.float32) + rel_BHLS
   W = max(K, V)  # values as wide as PoPE's keys
   o_BLHW = jax.nn.dot_product_attention(
     q_BLHK, k_BSGK, _pad_axis(v_BSGK, 3, W),
@@ -431,12 +471,18 @@ FUSED = {"splash": splash_attention, "flash_bias": flash_bias_attention, "cudnn"
 
 def pick_fused(q_BLHK, kwargs, bias_BHLS, platform: str) -> str | None:
   """The fused kernel `auto` uses on `platform` for this call, or None (the XLA kernels):
-  splash, else flash_bias on a TPU; cudnn on a GPU; none on a CPU."""
+  splash, else flash_bias on a TPU; cudnn on a GPU; none on a CPU (`auto_misfit`)."""
+  B, L, H, K = q_BLHK.shape
   features = _features(kwargs, bias_BHLS)
+  shape = dict(dtype=jnp.dtype(q_BLHK.dtype).name, head_dim=K, length=L)
+  mesh = jax.sharding.get_abstract_mesh()
+  bias_bytes = B * H * _round_up(L, LANES) ** 2 * 4 // (1 if mesh.empty else mesh.size)
   for kernel in ("splash", "flash_bias", "cudnn"):
     if PLATFORM[kernel] != platform:
       continue
-    reason = fused_misfit(kernel, **features, platform=platform)
+    reason = fused_misfit(kernel, **features, platform=platform, **shape) or auto_misfit(
+      kernel, features, bias_bytes=bias_bytes
+    )
     if reason is None:
       _log_once(f"attention_impl=auto, q {tuple(q_BLHK.shape)}: {kernel}")
       return kernel

@@ -135,6 +135,12 @@ class LinearAttention(Attention):
       raise ValueError(
         f"model.linear_feature_map={cfg.linear_feature_map!r} is not one of {list(FEATURE_MAPS)}"
       )
+    if cfg.attention_impl not in ("auto", "dense", "chunked"):
+      raise ValueError(
+        f"model.attention_impl={cfg.attention_impl!r} is a softmax kernel, which "
+        "model.attention='linear' does not use (its blockwise prefix sums are its kernel); "
+        "leave model.attention_impl='auto'"
+      )
     if posenc_cls is not None and posenc_cls.acts_on_logits():
       raise ValueError(
         f"posenc.kind={cfg.posenc.kind!r} adds a bias to the attention logits, which "

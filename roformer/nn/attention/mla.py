@@ -26,7 +26,7 @@ from flax import nnx
 
 from roformer.nn.attention import kv_cache
 from roformer.nn.attention.kernels import KERNELS, dense_attention
-from roformer.nn.attention.softmax import attention_dropout, kernel_init
+from roformer.nn.attention.softmax import attention_dropout, check_fused_config, kernel_init
 from roformer.posenc.rope_scaling import mla_softmax_factor
 
 
@@ -102,6 +102,8 @@ class MLAttention(nnx.Module):
         f"got {cfg.kv_lora_rank} and {cfg.qk_rope_head_dim}"
       )
     R = cfg.qk_rope_head_dim
+    # Its queries and keys are head_dim + R wide.
+    check_fused_config(cfg, posenc_cls, head_dim=(cfg.head_dim or cfg.emb_dim // cfg.num_heads) + R)
     if posenc_cls is not None and posenc_cls.rotated_dim(cfg.posenc, R) != R:
       raise ValueError(
         f"posenc.kind={cfg.posenc.kind!r} widens the rotary queries and keys, which "

@@ -45,6 +45,33 @@ def attention_dropout(cfg) -> float:
   return cfg.dropout_rate if rate == -1.0 else rate
 
 
+def check_fused_config(cfg, posenc_cls, *, head_dim: int = 0) -> None:
+  """Raises ValueError, in one line, when the fused kernel `model.attention_impl` names cannot
+  run this model's attention (packing and exact lengths are checked when it runs)."""
+  if cfg.attention_impl not in fused.FUSED or posenc_cls is None:
+    return
+  windowed = cfg.attention_window or cfg.attention_window_pattern
+  reason = fused.fused_misfit(
+    cfg.attention_impl,
+    bias=posenc_cls.acts_on_logits(),
+    content_bias=posenc_cls.content_bias is not None,
+    pieces=cfg.posenc.extension.kind != "none",
+    dropout=attention_dropout(cfg) > 0,
+    sinks=cfg.attention_sinks,
+    key_bias=cfg.forget_gate,
+    window=1 if windowed else 0,
+    window_kind=cfg.attention_window_kind,
+    global_tokens=cfg.global_tokens,
+    dtype=cfg.dtype,
+    head_dim=head_dim,
+  )
+  if reason:
+    raise ValueError(
+      f"model.attention_impl={cfg.attention_impl!r} cannot run posenc.kind="
+      f"{cfg.posenc.kind!r} here: {reason}"
+    )
+
+
 def _cache_sinks(extension) -> tuple[int, int]:
   """(sinks, recent window) a decoding cache keeps under StreamingLLM's extension: the keys no
   later query sees are evicted, so the cache is bounded. (0, 0) for every other setting."""
@@ -175,27 +202,8 @@ class Attention(nnx.Module):
   @classmethod
   def check_config(cls, cfg, posenc_cls) -> None:
     """Softmax attention honours every encoding and window; a fused kernel named by
-    `model.attention_impl` refuses what it cannot run (packing is checked when it runs)."""
-    if cfg.attention_impl not in fused.FUSED or posenc_cls is None:
-      return
-    windowed = cfg.attention_window or cfg.attention_window_pattern
-    reason = fused.fused_misfit(
-      cfg.attention_impl,
-      bias=posenc_cls.acts_on_logits(),
-      content_bias=posenc_cls.content_bias is not None,
-      pieces=cfg.posenc.extension.kind != "none",
-      dropout=attention_dropout(cfg) > 0,
-      sinks=cfg.attention_sinks,
-      key_bias=cfg.forget_gate,
-      window=1 if windowed else 0,
-      window_kind=cfg.attention_window_kind,
-      global_tokens=cfg.global_tokens,
-    )
-    if reason:
-      raise ValueError(
-        f"model.attention_impl={cfg.attention_impl!r} cannot run posenc.kind="
-        f"{cfg.posenc.kind!r} here: {reason}"
-      )
+    `model.attention_impl` refuses what it cannot run (`check_fused_config`)."""
+    check_fused_config(cfg, posenc_cls, head_dim=cfg.head_dim or cfg.emb_dim // cfg.num_heads)
 
   @classmethod
   def rotary_head_dim(cls, cfg, head_dim: int) -> int:

@@ -48,7 +48,8 @@ def _offset_positions(length=L):
 
 
 def _compare(kernel, kind="rope", *, causal=True, groups=G, positions="offset", packed=False,
-             extra_bias=False, sinks=False, forget=False, **kwargs):  # fmt: skip
+             extra_bias=False, sinks=False, forget=False, dtype=jnp.float32,
+             **kwargs):  # fmt: skip
   """Max |fused - dense| over the output and the gradients of a random projection of it with
   respect to q, k, v (and the extra bias, sinks, and key bias when used), after the encoding's
   rotation. Returns (max error, max magnitude)."""
@@ -62,6 +63,7 @@ def _compare(kernel, kind="rope", *, causal=True, groups=G, positions="offset", 
   else:
     pos = jnp.broadcast_to(jnp.arange(L), (B, L))
   q, k = posenc.rotate(q, k, pos, pos, posenc.prepare(pos))
+  q, k, v = (x.astype(dtype) for x in (q, k, v))
   cotangent = _normal((B, L, H, v.shape[-1]), 3)
   extra = {
     "bias": _normal((1, H, L, L), 4) if extra_bias else None,
@@ -145,6 +147,8 @@ FLASH_BIAS_CASES = {
   "rope + learned bias (dab)": dict(kind="rope", extra_bias=True),
   "fox (nope + forget gate)": dict(kind="nope", forget=True, packed=True),
   "t5 chunked window": dict(kind="t5", window=32, window_kind="chunked", positions="zero"),
+  "alibi blockwise (BCA)": dict(kind="alibi", window=32, window_kind="blockwise"),
+  "t5 encoder window + global tokens": dict(kind="t5", causal=False, window=9, global_tokens=3),
   "alibi MQA": dict(kind="alibi", groups=1),
 }
 
@@ -160,6 +164,9 @@ CUDNN_CASES = {
   "rope sliding window (native)": dict(kind="rope", window=16),
   "t5 encoder packed (mask)": dict(kind="t5", causal=False, packed=True),
   "alibi blockwise (mask)": dict(kind="alibi", window=32, window_kind="blockwise"),
+  "rope chunked (mask)": dict(kind="rope", window=32, window_kind="chunked"),
+  "rope encoder sliding window (mask)": dict(kind="rope", causal=False, window=9),
+  "t5 encoder global tokens (mask)": dict(kind="t5", causal=False, window=9, global_tokens=3),
   "pope": dict(kind="pope"),
   "fox": dict(kind="nope", forget=True),
 }
@@ -207,6 +214,38 @@ def test_calls_a_kernel_cannot_run_are_refused_in_one_line(kernel, case, message
   assert "\n" not in str(info.value)
 
 
+def test_cudnn_limits_are_refused_in_one_line():
+  gpu = dict(platform="gpu")
+  assert "not float32" in fused.fused_misfit("cudnn", dtype="float32", **gpu)
+  assert "not 192" in fused.fused_misfit("cudnn", dtype="bfloat16", head_dim=192, **gpu)
+  assert "even lengths" in fused.fused_misfit("cudnn", bias=True, length=101, **gpu)
+  assert fused.fused_misfit("cudnn", dtype="bfloat16", head_dim=64, length=101, **gpu) is None
+
+
+def test_cudnn_takes_fox_bias_relative_to_each_row_in_bfloat16():
+  """FoX's -c_j reaches hundreds at long range; cast to bfloat16 as cuDNN wants its bias, the
+  absolute values lose the differences between nearby keys, c_i - c_j keeps them."""
+  length = 512
+  q, k, v = (_normal((1, length, 2, 8), s).astype(jnp.bfloat16) for s in (0, 1, 2))
+  pos = jnp.arange(length)[None]
+  c_BLH = -300.0 - jnp.cumsum(jnp.full((1, length, 2), 0.05), axis=1)
+  common = dict(causal=True)
+  want = kernels.dense_attention(
+    *(x.astype(jnp.float32) for x in (q, k, v)), pos, pos, key_bias_BSH=-c_BLH, **common
+  )
+  got = fused.cudnn_attention(
+    q, k, v, pos, pos, implementation="xla", key_bias_BSH=-c_BLH, **common
+  ).astype(jnp.float32)
+  absolute = fused.cudnn_attention(  # control: the same bias as an absolute one, cast as is
+    q, k, v, pos, pos, implementation="xla",
+    bias_fn=lambda qp, kp: jnp.broadcast_to(-c_BLH.transpose(0, 2, 1)[:, :, None, :],
+                                            (1, 2, length, length)),
+    **common,
+  ).astype(jnp.float32)  # fmt: skip
+  assert float(jnp.abs(got - want).max()) < 0.05
+  assert float(jnp.abs(absolute - want).max()) > 0.2
+
+
 def test_cope_and_dropout_are_refused_by_every_fused_kernel():
   for kernel in fused.FUSED:
     assert "dense kernel" in fused.fused_misfit(kernel, content_bias=True)
@@ -222,6 +261,18 @@ def test_cope_and_dropout_are_refused_by_every_fused_kernel():
     ({"attention_impl": "flash_bias", "attention_sinks": True}, "sink logit"),
     ({"attention_impl": "splash", "posenc.kind": "cope"}, "CoPE"),
     ({"attention_impl": "splash", "dropout_rate": 0.1}, "attention dropout"),
+    ({"attention_impl": "cudnn"}, "not float32"),
+    ({"attention_impl": "splash", "attention": "linear"}, "softmax kernel.*linear"),
+    (
+      {
+        "attention_impl": "splash",
+        "attention": "mla",
+        "kv_lora_rank": 16,
+        "qk_rope_head_dim": 4,
+        "posenc.kind": "alibi",
+      },
+      "splash.*alibi.*flash_bias",
+    ),
   ],
 )
 def test_model_configs_a_fused_kernel_cannot_run_are_refused(overrides, message):
@@ -237,13 +288,15 @@ def test_model_configs_a_fused_kernel_cannot_run_are_refused(overrides, message)
   "platform, case, picked",
   [
     ("tpu", dict(kind="rope"), "splash"),
-    ("tpu", dict(kind="rope", sinks=True, window=16), "splash"),
+    ("tpu", dict(kind="rope", sinks=True), "splash"),
+    ("tpu", dict(kind="rope", sinks=True, window=16), None),  # windows: the banded kernel
     ("tpu", dict(kind="alibi"), "flash_bias"),
     ("tpu", dict(kind="nope", forget=True), "flash_bias"),
     ("tpu", dict(kind="alibi", sinks=True), None),
     ("tpu", dict(kind="cope"), None),
-    ("gpu", dict(kind="t5", causal=False), "cudnn"),
-    ("gpu", dict(kind="rope", sinks=True), None),
+    ("gpu", dict(kind="t5", causal=False, dtype=jnp.bfloat16), "cudnn"),
+    ("gpu", dict(kind="t5", causal=False), None),  # float32: cuDNN refuses it
+    ("gpu", dict(kind="rope", sinks=True, dtype=jnp.bfloat16), None),
     ("cpu", dict(kind="rope"), None),
   ],
 )
@@ -264,6 +317,15 @@ def test_auto_picks_the_fastest_kernel_the_platform_and_encoding_allow(
   monkeypatch.setattr(fused, "target_platform", lambda: platform)
   _compare(kernels.auto_attention, **case, block=512)
   assert (calls[0] if calls else None) == picked
+
+
+def test_auto_leaves_a_bias_too_large_for_flash_bias_to_the_xla_kernels(monkeypatch):
+  calls = []
+  monkeypatch.setitem(fused.FUSED, "flash_bias", lambda *a, **k: calls.append(1))
+  monkeypatch.setattr(fused, "target_platform", lambda: "tpu")
+  monkeypatch.setattr(fused, "AUTO_BIAS_BYTES", B * H * 128 * 128 * 4 - 1)  # L = 100 -> 128
+  _compare(kernels.auto_attention, kind="alibi", block=512)
+  assert not calls
 
 
 def test_auto_on_cpu_is_unchanged_by_the_fused_kernels(monkeypatch):
