@@ -278,17 +278,25 @@ def _splash_kernel(H: int, P: int, block: int, rule: tuple, interpret: bool):
   )
 
 
-def splash_attention(q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS, **kwargs):
-  """Self-attention through Pallas splash attention; args and returns as `dense_attention`."""
+def _checked_pallas_call(kernel: str, q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS, kwargs):
+  """The positional bias of a Pallas kernel's call (or None), after its refusals: self-attention
+  only, and what `fused_misfit` says."""
   check_ranks(q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS)
   bias_BHLS = _positional_bias(kwargs.get("bias_fn"), qpos_BL, kpos_BS)
-  _refuse("splash", fused_misfit("splash", **_features(kwargs, bias_BHLS)))
+  _refuse(kernel, fused_misfit(kernel, **_features(kwargs, bias_BHLS)))
+  L, S = q_BLHK.shape[1], k_BSGK.shape[1]
+  if S != L:
+    raise ValueError(f"model.attention_impl={kernel!r} runs self-attention; got L={L}, S={S}")
+  return bias_BHLS
+
+
+def splash_attention(q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS, **kwargs):
+  """Self-attention through Pallas splash attention; args and returns as `dense_attention`."""
+  _checked_pallas_call("splash", q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS, kwargs)
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
 
   B, L, H, K = q_BLHK.shape
   S, G, V = k_BSGK.shape[1], k_BSGK.shape[2], v_BSGK.shape[3]
-  if S != L:
-    raise ValueError(f"model.attention_impl='splash' runs self-attention; got L={L}, S={S}")
   on = target_platform()
   P, W = _round_up(L, LANES), _head_width(q_BLHK, v_BSGK, lanes=False)
   q = _pad_axis(_pad_axis(q_BLHK * (1.0 / math.sqrt(K)), 3, W), 1, P)
@@ -331,15 +339,11 @@ def flash_bias_attention(q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS, **kwargs):
   (causal, windows, global tokens, all on positions) forbids a pair; with no bias and no window
   there is none, and the kernel's causal flag (on indices, as splash's masks) and segment ids
   mask alone."""
-  check_ranks(q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS)
-  bias_BHLS = _positional_bias(kwargs.get("bias_fn"), qpos_BL, kpos_BS)
-  _refuse("flash_bias", fused_misfit("flash_bias", **_features(kwargs, bias_BHLS)))
+  bias_BHLS = _checked_pallas_call("flash_bias", q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS, kwargs)
   from jax.experimental.pallas.ops.tpu import flash_attention as flash
 
   B, L, H, K = q_BLHK.shape
   S, G, V = k_BSGK.shape[1], k_BSGK.shape[2], v_BSGK.shape[3]
-  if S != L:
-    raise ValueError(f"model.attention_impl='flash_bias' runs self-attention; got L={L}, S={S}")
   on = target_platform()
   width = max(K, V)
   P, W = _round_up(L, LANES), _head_width(q_BLHK, v_BSGK, lanes=on == "tpu" and width > LANES)
