@@ -407,3 +407,25 @@ def test_fused_kernels_split_over_batch_and_heads_of_a_mesh():
   errors = dict(line.split() for line in out.strip().splitlines())
   assert set(errors) == {"splash", "flash_bias"}
   assert all(float(e) < TOL for e in errors.values()), errors
+
+
+def test_attention_dropout_rate_separates_the_probabilities_from_the_residual_dropout():
+  from roformer.nn import model as model_lib
+  from roformer.nn.config import ModelConfig
+
+  def build(**fields):
+    cfg = ModelConfig(
+      kind="decoder", vocab_size=64, num_layers=1, emb_dim=32, num_heads=4, mlp_dim=64,
+      posenc=PosEncConfig(kind="rope"), **fields,
+    )  # fmt: skip
+    return cfg, model_lib.make_model(cfg, rngs=nnx.Rngs(0))
+
+  # Residual dropout kept, none on the probabilities: splash accepts it.
+  cfg, model = build(attention_impl="splash", dropout_rate=0.1, attention_dropout_rate=0.0)
+  assert model.layers[0].attn.dropout_rate == 0.0 and model.layers[0].dropout_rate == 0.1
+  cfg, model = build(dropout_rate=0.1)  # -1: the probabilities follow model.dropout_rate
+  assert model.layers[0].attn.dropout_rate == 0.1
+  # Attention dropout alone still draws a dropout key when training.
+  cfg, _ = build(attention_dropout_rate=0.2)
+  assert model_lib._dropout_key(cfg, False, nnx.Rngs(dropout=1)) is not None
+  assert model_lib._dropout_key(build()[0], False, None) is None
