@@ -41,7 +41,13 @@ import jax
 import jax.numpy as jnp
 from absl import logging
 
-from roformer.nn.attention.primitives import NEG, add_key_bias, attention_mask, check_ranks
+from roformer.nn.attention.primitives import (
+  NEG,
+  add_key_bias,
+  allowed_pairs,
+  attention_mask,
+  check_ranks,
+)
 
 LANES = 128  # TPU vector lanes: the Pallas TPU kernels' block and head-dim granularity
 FUSED_KERNELS = ("splash", "flash_bias", "cudnn")
@@ -240,18 +246,11 @@ def _index_mask(P: int, causal: bool, window: int, window_kind: str, global_toke
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
   def rule(q_ids, k_ids):  # numpy index arrays when planning blocks, traced ones in the kernel
-    allowed = (q_ids >= k_ids) if causal else (q_ids >= 0) & (k_ids >= 0)
-    if window > 0 and window_kind == "blockwise":
-      half = max(1, window // 2)
-      allowed = allowed & (k_ids // half >= q_ids // half - 1)
-    elif window > 0 and window_kind == "chunked":
-      allowed = allowed & (k_ids // window == q_ids // window)
-    elif window > 0:
-      near = (q_ids - k_ids < window) & (k_ids - q_ids < window)
-      if global_tokens > 0:
-        near = near | (q_ids < global_tokens) | (k_ids < global_tokens)
-      allowed = allowed & near
-    return allowed
+    allowed = allowed_pairs(
+      q_ids, k_ids, causal=causal, window=window, window_kind=window_kind,
+      global_tokens=global_tokens,
+    )  # fmt: skip
+    return (q_ids >= 0) & (k_ids >= 0) if allowed is None else allowed
 
   class RuleMask(masks._ComputableMask):  # one class per rule (cached), so equal iff same type
     def __eq__(self, other):

@@ -86,24 +86,33 @@ def attention_mask(
   Returns:
     bool [B, L, S].
   """
-  qpos_BL1 = qpos_BL[:, :, None]
-  kpos_B1S = kpos_BS[:, None, :]
   mask_BLS = jnp.ones(qpos_BL.shape + kpos_BS.shape[1:], dtype=bool)
   if qseg_BL is not None:
     mask_BLS &= qseg_BL[:, :, None] == kseg_BS[:, None, :]
-  if causal:
-    mask_BLS &= kpos_B1S <= qpos_BL1
+  rule_BLS = allowed_pairs(
+    qpos_BL[:, :, None], kpos_BS[:, None, :], causal=causal, window=window,
+    window_kind=window_kind, global_tokens=global_tokens,
+  )  # fmt: skip
+  return mask_BLS if rule_BLS is None else mask_BLS & rule_BLS
+
+
+def allowed_pairs(qpos, kpos, *, causal, window=0, window_kind="sliding", global_tokens=0):
+  """`attention_mask`'s rule without segments, on broadcastable query and key positions, or None
+  when it allows every pair. Operators only, so it also runs on numpy arrays (the fused kernels
+  plan their blocks with it, `fused.py`)."""
+  allowed = (kpos <= qpos) if causal else None
+  both = lambda a, b: b if a is None else a & b  # noqa: E731
   if window > 0 and window_kind == "blockwise":
     half = max(1, window // 2)
-    mask_BLS &= kpos_B1S // half >= qpos_BL1 // half - 1
+    allowed = both(allowed, kpos // half >= qpos // half - 1)
   elif window > 0 and window_kind == "chunked":
-    mask_BLS &= kpos_B1S // window == qpos_BL1 // window
+    allowed = both(allowed, kpos // window == qpos // window)
   elif window > 0:
-    near_BLS = jnp.abs(qpos_BL1 - kpos_B1S) < window
+    near = (qpos - kpos < window) & (kpos - qpos < window)
     if global_tokens > 0:
-      near_BLS |= (qpos_BL1 < global_tokens) | (kpos_B1S < global_tokens)
-    mask_BLS &= near_BLS
-  return mask_BLS
+      near = near | (qpos < global_tokens) | (kpos < global_tokens)
+    allowed = both(allowed, near)
+  return allowed
 
 
 def scores(q_BLGRK, k_BSGK, bias_BHLS):
