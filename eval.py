@@ -119,8 +119,8 @@ WORKDIR_FLAGS = (
 # --overwrite is read by both modes: --workdir's JSON and PNG, --compare's --plot.
 # Flags of perplexity evaluation that --task_lengths does not read (an error with it).
 PERPLEXITY_FLAGS = (
-  "lengths", "protocol", "stride", "max_tokens", "split", "data_files", "bca", "query_scale",
-  "key_tokens", "key_short_window",
+  "lengths", "protocol", "stride", "max_tokens", "split", "data_files", "bca", "key_tokens",
+  "key_short_window",
 )  # fmt: skip
 
 
@@ -206,6 +206,7 @@ def main(argv):
         rope_scaling=FLAGS.rope_scaling,
         rope_factor=FLAGS.rope_factor,
         attention_window=FLAGS.window,
+        query_scale=FLAGS.query_scale,
         extend=extend_flags.values(FLAGS)[0],
         extend_fields=extend_flags.values(FLAGS)[1],
       )
@@ -221,6 +222,7 @@ def main(argv):
         rope=overrides.rope,
         window=overrides.window,
         extension=overrides.extension,
+        query_scale=overrides.query_scale,
         log=lambda line: print(line, flush=True),
       )
       return

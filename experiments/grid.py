@@ -374,7 +374,7 @@ def _run_grid(runs, base, common, out, workroot, report, adopt) -> list[dict]:
       records.append(record)
       continue
     if parent:
-      _restore(parent, configs[parent][1], workdirs[parent], out / f"{parent}.json")
+      restore_run(parent, configs[parent][1], workdirs[parent], out / f"{parent}.json")
     doing = f"evaluating {run.eval_of}" if run.eval_of else f"training ({run.budget})"
     started = progress.begin(index, run, doing)
     if run.eval_of:  # nothing to train: the evaluated run's final evaluation stands
@@ -491,7 +491,7 @@ def train_to_end(name: str, config, workdir: pathlib.Path) -> dict:
   return last_eval
 
 
-def _restore(name: str, config, workdir: pathlib.Path, record_path: pathlib.Path) -> None:
+def restore_run(name: str, config, workdir: pathlib.Path, record_path: pathlib.Path) -> None:
   """Retrains a finished run whose workdir is gone (workdirs live in a per-machine cache; the
   committed results do not hold checkpoints) before a run starts from it, and says how far the
   new final loss is from the recorded one (training is deterministic for one seed on one

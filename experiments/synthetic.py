@@ -95,6 +95,20 @@ FRONTIER = {
   "sinks": {"kind": "rope", "model.attention_sinks": True},
 }
 ENCODINGS.update(FRONTIER)
+# Arms made from another run of the same task rather than trained from scratch, as
+# experiments/extrapolation.py makes them. DroPE (arXiv 2512.12167) continues the RoPE run with no
+# positional encoding for a tenth of its steps; rope_continued continues it with RoPE for as many
+# (the control: what the extra steps alone give). A query-temperature arm scores a run with its
+# queries scaled beyond the training length (`runs.eval_model_config`: logn = log_L(n), llama4 =
+# 1 + 0.1 ln(floor(n / L) + 1), L = data.seq_len), with no training.
+RECALIBRATIONS = {"drope": ("rope", "nope"), "rope_continued": ("rope", "rope")}
+RECALIBRATION_FRACTION = 0.1
+QUERY_TEMPERATURES = {
+  "rope_logn": ("rope", "logn"),
+  "rope_llama4": ("rope", "llama4"),
+  "drope_logn": ("drope", "logn"),
+}
+DERIVED = {**RECALIBRATIONS, **QUERY_TEMPERATURES}  # name -> (the run it starts from, how)
 
 
 def _apply_arm(config, fields: dict) -> None:
@@ -131,13 +145,14 @@ SCALES = {
     model=dict(num_layers=1, emb_dim=32, num_heads=2, mlp_dim=64),
     train=dict(global_batch_size=8, num_train_steps=20, learning_rate=3e-3),
     tasks={"copy": (2, 4), "associative_recall": (2, 4), "passkey": (8, 16)},
-    encodings=("rope", "fire"),
+    encodings=("rope", "fire", "drope", "rope_logn"),
     randomize=(False, True),
     examples=8,
-    only_pairs=(("rope", False), ("fire", True)),
+    only_pairs=(("rope", False), ("fire", True), ("drope", False), ("rope_logn", False)),
   ),
-  # The comparison: 3 tasks x (12 encodings + the 10 that read positions randomized) = 66 runs
-  # of 2000 steps. Training ranges are short enough for a 2-layer model to learn in that budget
+  # The comparison: 3 tasks x (12 encodings + the 10 that read positions randomized + the 8
+  # FRONTIER arms) = 90 runs of 2000 steps, and per task the DERIVED arms (two of 200 steps, three
+  # evaluations only). Training ranges are short enough for a 2-layer model to learn in that budget
   # on CPU (copy at 8..32 is still at 0.40 per-token accuracy on its longest strings after 1200
   # such steps). Associative recall trains on 2..8 pairs: with this recipe RoPE retrieves after
   # about 1000 steps, while on 4..16 pairs at this learning rate it stays at the no-lookup
@@ -146,7 +161,7 @@ SCALES = {
     model=dict(num_layers=2, emb_dim=128, num_heads=4, mlp_dim=256),
     train=dict(global_batch_size=32, num_train_steps=2000, learning_rate=2e-3),
     tasks={"copy": (4, 16), "associative_recall": (2, 8), "passkey": (16, 64)},
-    encodings=tuple(ENCODINGS),
+    encodings=(*ENCODINGS, *DERIVED),
     randomize=(False, True),
     examples=128,
   ),
@@ -177,6 +192,10 @@ def grid_runs(scale: Scale) -> list[tuple[str, str, bool]]:
   runs = []
   for task in scale.tasks:
     for encoding in scale.encodings:
+      if encoding in DERIVED:  # after the run it starts from (grid order)
+        if not scale.only_pairs or (encoding, False) in scale.only_pairs:
+          runs.append((task, encoding, False))
+        continue
       kind = ENCODINGS[encoding].get("kind", encoding)
       for randomized in scale.randomize:
         if scale.only_pairs and (encoding, randomized) not in scale.only_pairs:
@@ -220,42 +239,108 @@ def make_config(scale: Scale, task: str, encoding: str, randomized: bool, seq_le
   return config
 
 
-def eval_spec(scale: Scale, task: str, randomized: bool) -> dict:
-  """How a run is scored: task lengths, examples per length and draws of positions."""
+def eval_spec(scale: Scale, task: str, randomized: bool, encoding: str = "") -> dict:
+  """How a run is scored: task lengths, examples per length, draws of positions, and a
+  query-temperature arm's temperature."""
   from roformer.evals import task_vs_length
   from roformer.posenc import randomized as randomized_positions
 
   lo, hi = scale.tasks[task]
-  return {
+  spec = {
     "lengths": task_vs_length.default_task_lengths(lo, hi),
     "examples": scale.examples,
     "position_draws": randomized_positions.EVAL_DRAWS if randomized else 0,
   }
+  if encoding in QUERY_TEMPERATURES:
+    spec["query_scale"] = QUERY_TEMPERATURES[encoding][1]
+  return spec
 
 
-def run_config(scale: Scale, task: str, encoding: str, randomized: bool):
-  """The run's ConfigDict (its learned table and randomized range reach 8x the training lengths)."""
+def run_config(scale: Scale, task: str, encoding: str, randomized: bool, workroot=None):
+  """The run's ConfigDict (its learned table and randomized range reach 8x the training lengths).
+
+  A query-temperature arm's is the run it scores; a recalibration's starts from the workdir its
+  run has under `workroot` (required for those).
+  """
   from roformer.data import synthetic
 
+  if encoding in QUERY_TEMPERATURES:
+    return run_config(scale, task, QUERY_TEMPERATURES[encoding][0], randomized, workroot)
+  if encoding in RECALIBRATIONS:
+    parent, kind = RECALIBRATIONS[encoding]
+    config = run_config(scale, task, parent, randomized, workroot)
+    config.posenc.kind = kind
+    steps = max(1, round(scale.train["num_train_steps"] * RECALIBRATION_FRACTION))
+    config.train.num_train_steps = steps
+    config.optim.warmup_steps = max(1, steps // 10)
+    config.train.log_every_steps = max(1, steps // 5)
+    config.train.init_from = str(parent_workdir(scale, task, encoding, workroot))
+    return config
   lengths = eval_spec(scale, task, randomized)["lengths"]
   seq_len_8x = synthetic.example_length(task, max(lengths)) - 1
   return make_config(scale, task, encoding, randomized, seq_len_8x)
 
 
+def run_settings(scale: Scale, task: str, encoding: str, randomized: bool, workroot) -> dict:
+  """The settings a run's JSON records (`grid.run_settings`; paths relative to `workroot`)."""
+  return grid.run_settings(
+    run_config(scale, task, encoding, randomized, workroot),
+    eval_spec(scale, task, randomized, encoding),
+    workroot=pathlib.Path(workroot),
+  )
+
+
+def run_workdir(scale: Scale, task: str, encoding: str, randomized: bool, workroot):
+  """Where a run trains under `workroot` (a query-temperature arm: the run it scores)."""
+  if encoding in QUERY_TEMPERATURES:
+    return parent_workdir(scale, task, encoding, workroot)
+  settings = run_settings(scale, task, encoding, randomized, workroot)
+  name = file_stem(run_name(task, encoding, randomized))
+  return pathlib.Path(workroot) / grid.workdir_name(name, settings)
+
+
+def parent_workdir(scale: Scale, task: str, encoding: str, workroot) -> pathlib.Path:
+  if workroot is None:
+    raise ValueError(f"{encoding} starts from another run: give the grid's workroot")
+  return run_workdir(scale, task, DERIVED[encoding][0], False, workroot)
+
+
+def restore_parent(scale: Scale, task: str, encoding: str, workroot, out: pathlib.Path) -> None:
+  """Retrains the run a derived arm starts from if its workdir has no final checkpoint (workdirs
+  live in a per-machine cache; the committed results hold no checkpoints)."""
+  parent = DERIVED[encoding][0]
+  if parent in DERIVED:
+    restore_parent(scale, task, parent, workroot, out)
+  name = run_name(task, parent, False)
+  grid.restore_run(
+    name,
+    run_config(scale, task, parent, False, workroot),
+    parent_workdir(scale, task, encoding, workroot),
+    out / (file_stem(name) + ".json"),
+  )
+
+
 def run_one(scale: Scale, task: str, encoding: str, randomized: bool, config, workdir) -> dict:
   from roformer.evals import task_vs_length
 
-  spec = eval_spec(scale, task, randomized)
+  spec = eval_spec(scale, task, randomized, encoding)
   start = time.perf_counter()
-  grid.train_to_end(run_name(task, encoding, randomized), config, pathlib.Path(workdir))
+  if encoding not in QUERY_TEMPERATURES:  # those score the run they start from as it is
+    grid.train_to_end(run_name(task, encoding, randomized), config, pathlib.Path(workdir))
   train_seconds = time.perf_counter() - start
-  result, _ = task_vs_length.evaluate_tasks(
+  evaluate = lambda **options: task_vs_length.evaluate_tasks(  # noqa: E731
     workdir,
     lengths=spec["lengths"],
     num_examples=spec["examples"],
     position_draws=spec["position_draws"] or 1,
     log=lambda line: None,
-  )
+    **options,
+  )[0]
+  result = evaluate(query_scale=spec.get("query_scale", "none"))
+  if encoding in QUERY_TEMPERATURES:
+    # The same checkpoint without the temperature: the arm's own baseline (a run retrained in
+    # another environment may score a little differently from its recorded JSON).
+    result["plain_records"] = evaluate()["records"]
   return {
     "run": run_name(task, encoding, randomized),
     "encoding": encoding,
@@ -268,7 +353,7 @@ def run_one(scale: Scale, task: str, encoding: str, randomized: bool, config, wo
 
 def grid_order(result: dict) -> tuple:
   """Sort key of run results: the order of ENCODINGS, each without then with randomization."""
-  names = list(ENCODINGS)
+  names = [*ENCODINGS, *DERIVED]
   encoding = result["encoding"]
   return (names.index(encoding) if encoding in names else len(names), encoding,
           result["randomized"])  # fmt: skip
@@ -389,13 +474,15 @@ def main(argv):
     for i, (task, encoding, randomized) in enumerate(runs, start=1):
       name = run_name(task, encoding, randomized)
       path = out / (file_stem(name) + ".json")
-      config = run_config(scale, task, encoding, randomized)
-      settings = grid.run_settings(config, eval_spec(scale, task, randomized))
+      config = run_config(scale, task, encoding, randomized, root)
+      settings = run_settings(scale, task, encoding, randomized, root)
       if grid.finished_record(path, settings, adopt=FLAGS.adopt) is not None:
         print(f"[{i}/{len(runs)}] {name}: done before, skipped", flush=True)
         continue
       start = time.perf_counter()
-      workdir = root / grid.workdir_name(file_stem(name), settings)
+      if encoding in DERIVED:
+        restore_parent(scale, task, encoding, root, out)
+      workdir = run_workdir(scale, task, encoding, randomized, root)
       result = run_one(scale, task, encoding, randomized, config, str(workdir))
       result.update(settings=settings, settings_hash=grid.settings_hash(settings))
       path.write_text(json.dumps(result, indent=2) + "\n")

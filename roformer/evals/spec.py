@@ -225,10 +225,12 @@ def overrides_suffix(
   window: int = 0,
   window_name: str = "window",
   extension: ContextExtension | None = None,
+  query_scale: str = "none",
 ) -> str:
   """The name suffix of the model overrides an evaluation applies: a RoPE scaling
-  (`_<scaling>_<factor>`, factor "auto" too), an attention window (`_window<W>`, `_bca<W>`) and a
-  context extension (`_<kind>_<field><N>...`); "" for none."""
+  (`_<scaling>_<factor>`, factor "auto" too), an attention window (`_window<W>`, `_bca<W>`), a
+  context extension (`_<kind>_<field><N>...`) and a query temperature (`_qscale_<kind>`); "" for
+  none."""
   suffix = ""
   if rope is not None:
     factor = rope.factor
@@ -237,6 +239,8 @@ def overrides_suffix(
     suffix += f"_{window_name}{window}"
   if extension is not None:
     suffix += extension_suffix(extension)
+  if query_scale != "none":
+    suffix += f"_qscale_{query_scale}"
   return suffix
 
 
@@ -270,9 +274,8 @@ def output_name(spec: EvalSpec, *, seq_len: int) -> str:
     window=spec.window_for(seq_len),
     window_name="bca" if spec.bca else "window",
     extension=spec.extension,
+    query_scale=spec.query_scale,
   )
-  if spec.query_scale != "none":
-    name += f"_qscale_{spec.query_scale}"
   if spec.key_tokens:
     name += f"_keytok{spec.key_window_for(seq_len)}"
   return name

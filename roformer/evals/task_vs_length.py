@@ -153,12 +153,14 @@ def evaluate_tasks(
   rope: RopeOverride | None = None,
   window: int = 0,
   extension: ContextExtension | None = None,
+  query_scale: str = "none",
   log: Callable[[str], None] = print,
 ) -> tuple[dict, epath.Path]:
   """Scores a synthetic-task run at several task lengths; writes DIR/eval/NAME.json and .png.
 
-  RoPE scalings, attention windows and context extensions apply as in perplexity evaluation
-  (`runs.eval_model_config`); an "auto" factor is an example's length over data.seq_len.
+  RoPE scalings, attention windows, context extensions and query temperatures apply as in
+  perplexity evaluation (`runs.eval_model_config`); an "auto" factor is an example's length over
+  data.seq_len.
 
   The JSON's "effective_length" holds, for exact match and per-token accuracy, the longest
   length that scores at or above `effective`'s limit, read upward from data.task_max_len
@@ -177,6 +179,8 @@ def evaluate_tasks(
     rope: a RoPE scaling applied at evaluation; None = as trained.
     window: a sliding attention window imposed at evaluation (0 = as trained).
     extension: a training-free context extension applied at evaluation; None = none.
+    query_scale: a query temperature applied at evaluation (`spec.EVAL_QUERY_SCALES`), with
+      data.seq_len as its training length; "none" = as trained.
     log: where progress lines go.
 
   Returns:
@@ -208,6 +212,7 @@ def evaluate_tasks(
       **rope_options(rope, tokens, data.seq_len),
       attention_window=window,
       extension=extension,
+      query_scale=query_scale,
     )
 
   model_cfg = config_at(lengths[0])
@@ -227,6 +232,7 @@ def evaluate_tasks(
     )
     + "".join(f", {note}" for note in notes)
     + (f", RoPE scaling {rope.kind} factor {rope.factor}" if rope else "")
+    + (f", query temperature {query_scale}" if query_scale != "none" else "")
   )
 
   def score(n, depth=None):
@@ -280,6 +286,8 @@ def evaluate_tasks(
   }
   if extension is not None:
     result["context_extension"] = dataclasses.asdict(extension)
+  if query_scale != "none":
+    result["query_scale"] = query_scale
   if data.task == "passkey":
     scored = [r["length"] for r in records if "skipped" not in r]
     grid = [[depth_scores[n][d] for n in scored] for d in range(len(PASSKEY_DEPTHS))]
@@ -292,7 +300,9 @@ def evaluate_tasks(
   result["effective_length"] = task_effective_lengths(result, effective)
   for metric, label in task_plots.METRIC_LABELS.items():
     log(f"effective length ({label}): {describe(result['effective_length'][metric])}")
-  name = out or DEFAULT_NAME + overrides_suffix(rope=rope, window=window, extension=extension)
+  name = out or DEFAULT_NAME + overrides_suffix(
+    rope=rope, window=window, extension=extension, query_scale=query_scale
+  )
   json_path = results.write_result(result, workdir / "eval" / f"{name}.json")
   png_path = task_plots.plot_task_runs(
     [(task_plots.run_label(workdir.name, result), result)],

@@ -26,7 +26,7 @@ def test_tiny_grid_writes_every_output_and_resumes(tmp_path):
   first = _grid(out, workdirs)
   assert first.returncode == 0, first.stderr[-3000:]
   progress = [line for line in first.stdout.splitlines() if line.startswith("[")]
-  assert len(progress) == 6 and all("exact match / per token n=" in line for line in progress)
+  assert len(progress) == 12 and all("exact match / per token n=" in line for line in progress)
   for task in ("copy", "associative_recall", "passkey"):
     assert (out / f"{task}.png").read_bytes()[:4] == b"\x89PNG"
     result = json.loads((out / f"{task}__rope.json").read_text())
@@ -40,16 +40,25 @@ def test_tiny_grid_writes_every_output_and_resumes(tmp_path):
   assert all(len(r["token_accuracy_draws"]) == 4 for r in randomized["records"])
   assert result["positions"] == {"kind": "consecutive"}
   assert (out / "passkey_heatmap__fire+randomized.png").exists()
+  # The derived arms: DroPE continued the RoPE run's checkpoint without positions, and the
+  # query-temperature arm scored the RoPE run itself with its queries scaled.
+  drope = json.loads((out / "copy__drope.json").read_text())
+  assert drope["posenc"] == "nope" and drope["step"] == 2  # a tenth of the 20 steps
+  assert drope["settings"]["train.init_from"].startswith("$WORKROOT/copy__rope-")
+  logn = json.loads((out / "copy__rope_logn.json").read_text())
+  assert logn["query_scale"] == "logn" and logn["train_seconds"] == 0.0
+  assert logn["settings"]["eval"]["query_scale"] == "logn"
+  assert "query_scale" not in json.loads((out / "copy__rope.json").read_text())
   rows = list(csv.DictReader(open(out / "results.csv")))
-  assert len(rows) == 6 * 5 and {r["randomized"] for r in rows} == {"True", "False"}
+  assert len(rows) == 12 * 5 and {r["randomized"] for r in rows} == {"True", "False"}
   table = (out / "table.md").read_text()
   assert "| fire | yes |" in table and "## copy: per-token accuracy" in table
   assert "| no lookup |" in table  # associative recall's baseline
   # A rerun skips every finished run (no training) and rewrites the summaries.
   again = _grid(out, workdirs, "--only=copy")
   assert again.returncode == 0, again.stderr[-3000:]
-  assert again.stdout.count("done before, skipped") == 2
-  assert len(list(csv.DictReader(open(out / "results.csv")))) == 6 * 5
+  assert again.stdout.count("done before, skipped") == 4
+  assert len(list(csv.DictReader(open(out / "results.csv")))) == 12 * 5
 
 
 def test_only_selects_by_substring_and_anchors_with_a_dollar():
@@ -71,7 +80,7 @@ def test_every_encoding_of_the_grid_trains_with_the_same_embedding_scale():
 
   scale = synthetic.SCALES["cpu"]
   runs = synthetic.grid_runs(scale)
-  configs = [synthetic.make_config(scale, *run, seq_len_8x=64) for run in runs]
+  configs = [synthetic.run_config(scale, *run, workroot="/w") for run in runs]
   assert {c.model.embed_scale for c in configs} == {"sqrt_d"}
 
 
@@ -102,6 +111,35 @@ def test_frontier_arms_are_built_as_the_extrapolation_grid_builds_them():
   assert build("qk_norm").model.qk_norm == "rmsnorm"
   for arm in synthetic.FRONTIER:  # each a valid run config (the model's own checks)
     config_lib.run_config_from_dict(build(arm), vocab_size=261)
+
+
+def test_derived_arms_start_from_their_run_in_the_same_workroot():
+  sys.path.insert(0, os.path.join(REPO, "experiments"))
+  import synthetic
+
+  scale = synthetic.SCALES["cpu"]
+  runs = synthetic.grid_runs(scale)
+  for arm in synthetic.DERIVED:  # every task, never randomized, after the run it starts from
+    parent = synthetic.DERIVED[arm][0]
+    assert [r for r in runs if r[1] == arm] == [(t, arm, False) for t in scale.tasks], arm
+    assert runs.index(("copy", parent, False)) < runs.index(("copy", arm, False)), arm
+  rope = synthetic.run_config(scale, "copy", "rope", False, "/w")
+  drope = synthetic.run_config(scale, "copy", "drope", False, "/w")
+  rope_workdir = synthetic.run_workdir(scale, "copy", "rope", False, "/w")
+  assert drope.train.init_from == str(rope_workdir) and drope.posenc.kind == "nope"
+  assert drope.train.num_train_steps == 200 and drope.optim.warmup_steps == 20
+  continued = synthetic.run_config(scale, "copy", "rope_continued", False, "/w")
+  assert continued.posenc.kind == "rope" and continued.train.init_from == str(rope_workdir)
+  # Besides the recalibration's own fields, the model and data are the RoPE run's.
+  assert drope.model == rope.model and drope.data == rope.data
+  # A query-temperature arm is its run, scored at another temperature in the same workdir.
+  assert synthetic.run_config(scale, "copy", "rope_llama4", False, "/w") == rope
+  assert synthetic.run_workdir(scale, "copy", "rope_llama4", False, "/w") == rope_workdir
+  assert synthetic.eval_spec(scale, "copy", False, "rope_llama4")["query_scale"] == "llama4"
+  drope_workdir = synthetic.run_workdir(scale, "copy", "drope", False, "/w")
+  assert synthetic.run_workdir(scale, "copy", "drope_logn", False, "/w") == drope_workdir
+  with pytest.raises(ValueError, match="give the grid's workroot"):
+    synthetic.run_config(scale, "copy", "drope", False)
 
 
 @pytest.mark.slow

@@ -341,6 +341,44 @@ def test_task_evaluation_with_an_extension_covering_every_key_scores_as_plain(
   assert np.mean(narrow != plain) > 0.05
 
 
+def test_task_evaluation_imposes_a_query_temperature_beyond_the_training_length(
+  tmp_path, monkeypatch
+):
+  seen = []
+  seq_len = _tiny_passkey_run(tmp_path, monkeypatch, seen)
+  real_make_predict = task_vs_length.make_predict
+
+  def predictions(**kwargs):
+    """Greedy predictions per task length (the first batch of each)."""
+    out = []
+
+    def make_predict(model):
+      predict = real_make_predict(model)
+      return lambda *a: out.append(np.asarray(predict(*a))) or out[-1]
+
+    monkeypatch.setattr(task_vs_length, "make_predict", make_predict)
+    result, path = task_vs_length.evaluate_tasks(
+      tmp_path, lengths=[8, 64], num_examples=8, log=lambda _: None, **kwargs
+    )
+    by_length = {}
+    for pred in out:  # the depth grid scores each length again: keep the first of each width
+      by_length.setdefault(pred.shape[1], pred)
+    return result, path, [by_length[w] for w in sorted(by_length)]
+
+  _, _, plain = predictions()
+  seen.clear()
+  result, path, scaled = predictions(query_scale="logn")
+  assert path.name == "task_vs_length_qscale_logn.json" and result["query_scale"] == "logn"
+  assert seen and all(
+    (c.posenc.query_scale, c.posenc.query_scale_len) == ("logn", seq_len) for c in seen
+  )
+  # Within the training length every query sees n <= L keys, where log_L(n) is 1 ...
+  assert synthetic.example_length("passkey", 8) - 1 <= seq_len
+  np.testing.assert_array_equal(scaled[0], plain[0])
+  # ... and beyond it the queries grow (the negative control of the line above).
+  assert np.mean(scaled[1] != plain[1]) > 0.01
+
+
 def test_passkey_depths_are_scored_by_each_lengths_own_model(tmp_path, monkeypatch):
   from roformer.evals.spec import RopeOverride
 
