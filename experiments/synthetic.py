@@ -98,17 +98,20 @@ ENCODINGS.update(FRONTIER)
 # Arms made from another run of the same task rather than trained from scratch, as
 # experiments/extrapolation.py makes them. DroPE (arXiv 2512.12167) continues the RoPE run with no
 # positional encoding for a tenth of its steps; rope_continued continues it with RoPE for as many
-# (the control: what the extra steps alone give). A query-temperature arm scores a run with its
-# queries scaled beyond the training length (`runs.eval_model_config`: logn = log_L(n), llama4 =
-# 1 + 0.1 ln(floor(n / L) + 1), L = data.seq_len), with no training.
+# (the control: what the extra steps alone give). An evaluation arm scores a run with an option
+# applied at evaluation only, no training: the query temperatures (`runs.eval_model_config`:
+# logn = log_L(n), llama4 = 1 + 0.1 ln(floor(n / L) + 1), L = data.seq_len), and YaRN with the
+# factor each length needs (Resonance YaRN on the Resonance run, plain YaRN on RoPE's).
 RECALIBRATIONS = {"drope": ("rope", "nope"), "rope_continued": ("rope", "rope")}
 RECALIBRATION_FRACTION = 0.1
-QUERY_TEMPERATURES = {
-  "rope_logn": ("rope", "logn"),
-  "rope_llama4": ("rope", "llama4"),
-  "drope_logn": ("drope", "logn"),
+EVALUATIONS = {  # name -> (the run scored, its evaluation options)
+  "rope_logn": ("rope", {"query_scale": "logn"}),
+  "rope_llama4": ("rope", {"query_scale": "llama4"}),
+  "drope_logn": ("drope", {"query_scale": "logn"}),
+  "rope_yarn": ("rope", {"rope_scaling": "yarn", "rope_factor": "auto"}),
+  "resonance_yarn": ("resonance", {"rope_scaling": "yarn", "rope_factor": "auto"}),
 }
-DERIVED = {**RECALIBRATIONS, **QUERY_TEMPERATURES}  # name -> (the run it starts from, how)
+DERIVED = {**RECALIBRATIONS, **EVALUATIONS}  # name -> (the run it starts from, how)
 
 
 def _apply_arm(config, fields: dict) -> None:
@@ -151,7 +154,7 @@ SCALES = {
     only_pairs=(("rope", False), ("fire", True), ("drope", False), ("rope_logn", False)),
   ),
   # The comparison: 3 tasks x (12 encodings + the 10 that read positions randomized + the 8
-  # FRONTIER arms) = 90 runs of 2000 steps, and per task the DERIVED arms (two of 200 steps, three
+  # FRONTIER arms) = 90 runs of 2000 steps, and per task the DERIVED arms (two of 200 steps, five
   # evaluations only). Training ranges are short enough for a 2-layer model to learn in that budget
   # on CPU (copy at 8..32 is still at 0.40 per-token accuracy on its longest strings after 1200
   # such steps). Associative recall trains on 2..8 pairs: with this recipe RoPE retrieves after
@@ -240,8 +243,8 @@ def make_config(scale: Scale, task: str, encoding: str, randomized: bool, seq_le
 
 
 def eval_spec(scale: Scale, task: str, randomized: bool, encoding: str = "") -> dict:
-  """How a run is scored: task lengths, examples per length, draws of positions, and a
-  query-temperature arm's temperature."""
+  """How a run is scored: task lengths, examples per length, draws of positions, and an
+  evaluation arm's options."""
   from roformer.evals import task_vs_length
   from roformer.posenc import randomized as randomized_positions
 
@@ -251,21 +254,21 @@ def eval_spec(scale: Scale, task: str, randomized: bool, encoding: str = "") -> 
     "examples": scale.examples,
     "position_draws": randomized_positions.EVAL_DRAWS if randomized else 0,
   }
-  if encoding in QUERY_TEMPERATURES:
-    spec["query_scale"] = QUERY_TEMPERATURES[encoding][1]
+  if encoding in EVALUATIONS:
+    spec.update(EVALUATIONS[encoding][1])
   return spec
 
 
 def run_config(scale: Scale, task: str, encoding: str, randomized: bool, workroot=None):
   """The run's ConfigDict (its learned table and randomized range reach 8x the training lengths).
 
-  A query-temperature arm's is the run it scores; a recalibration's starts from the workdir its
+  An evaluation arm's is the run it scores; a recalibration's starts from the workdir its
   run has under `workroot` (required for those).
   """
   from roformer.data import synthetic
 
-  if encoding in QUERY_TEMPERATURES:
-    return run_config(scale, task, QUERY_TEMPERATURES[encoding][0], randomized, workroot)
+  if encoding in EVALUATIONS:
+    return run_config(scale, task, EVALUATIONS[encoding][0], randomized, workroot)
   if encoding in RECALIBRATIONS:
     parent, kind = RECALIBRATIONS[encoding]
     config = run_config(scale, task, parent, randomized, workroot)
@@ -291,8 +294,8 @@ def run_settings(scale: Scale, task: str, encoding: str, randomized: bool, workr
 
 
 def run_workdir(scale: Scale, task: str, encoding: str, randomized: bool, workroot):
-  """Where a run trains under `workroot` (a query-temperature arm: the run it scores)."""
-  if encoding in QUERY_TEMPERATURES:
+  """Where a run trains under `workroot` (an evaluation arm: the run it scores)."""
+  if encoding in EVALUATIONS:
     return parent_workdir(scale, task, encoding, workroot)
   settings = run_settings(scale, task, encoding, randomized, workroot)
   name = file_stem(run_name(task, encoding, randomized))
@@ -322,10 +325,11 @@ def restore_parent(scale: Scale, task: str, encoding: str, workroot, out: pathli
 
 def run_one(scale: Scale, task: str, encoding: str, randomized: bool, config, workdir) -> dict:
   from roformer.evals import task_vs_length
+  from roformer.evals.spec import RopeOverride
 
   spec = eval_spec(scale, task, randomized, encoding)
   start = time.perf_counter()
-  if encoding not in QUERY_TEMPERATURES:  # those score the run they start from as it is
+  if encoding not in EVALUATIONS:  # those score the run they start from as it is
     grid.train_to_end(run_name(task, encoding, randomized), config, pathlib.Path(workdir))
   train_seconds = time.perf_counter() - start
   evaluate = lambda **options: task_vs_length.evaluate_tasks(  # noqa: E731
@@ -336,9 +340,12 @@ def run_one(scale: Scale, task: str, encoding: str, randomized: bool, config, wo
     log=lambda line: None,
     **options,
   )[0]
-  result = evaluate(query_scale=spec.get("query_scale", "none"))
-  if encoding in QUERY_TEMPERATURES:
-    # The same checkpoint without the temperature: the arm's own baseline (a run retrained in
+  rope = None
+  if "rope_scaling" in spec:
+    rope = RopeOverride(spec["rope_scaling"], spec["rope_factor"])
+  result = evaluate(query_scale=spec.get("query_scale", "none"), rope=rope)
+  if encoding in EVALUATIONS:
+    # The same checkpoint without the option: the arm's own baseline (a run retrained in
     # another environment may score a little differently from its recorded JSON).
     result["plain_records"] = evaluate()["records"]
   return {

@@ -138,6 +138,11 @@ def test_derived_arms_start_from_their_run_in_the_same_workroot():
   assert synthetic.eval_spec(scale, "copy", False, "rope_llama4")["query_scale"] == "llama4"
   drope_workdir = synthetic.run_workdir(scale, "copy", "drope", False, "/w")
   assert synthetic.run_workdir(scale, "copy", "drope_logn", False, "/w") == drope_workdir
+  # Resonance YaRN: the Resonance run scored with YaRN at each length's factor.
+  resonance = synthetic.run_config(scale, "copy", "resonance", False, "/w")
+  assert synthetic.run_config(scale, "copy", "resonance_yarn", False, "/w") == resonance
+  spec = synthetic.eval_spec(scale, "copy", False, "resonance_yarn")
+  assert (spec["rope_scaling"], spec["rope_factor"]) == ("yarn", "auto")
   with pytest.raises(ValueError, match="give the grid's workroot"):
     synthetic.run_config(scale, "copy", "drope", False)
 
