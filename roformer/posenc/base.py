@@ -103,6 +103,13 @@ class PosEnc(nnx.Module):
     such as linear attention, cannot honour it)."""
     return cls.bias is not PosEnc.bias
 
+  @classmethod
+  def has_bias_factors(cls, *, causal: bool) -> bool:
+    """Whether `bias_factors` gives this encoding's bias as a low-rank product (kernels that add
+    no bias, such as splash, then fold it into the queries and keys)."""
+    del causal
+    return False
+
   def layer(self, i: int) -> "PosEnc":
     """The encoding layer i uses: this one, unless a per-layer pattern (`posenc.layers`) says
     otherwise."""
@@ -172,6 +179,17 @@ class PosEnc(nnx.Module):
 
   def bias(self, qpos_BL: jax.Array, kpos_BS: jax.Array) -> jax.Array | None:
     """Float32 attention-logit bias [B, H, L, S] for any block of positions, or None."""
+    del qpos_BL, kpos_BS
+    return None
+
+  def bias_factors(self, qpos_BL: jax.Array, kpos_BS: jax.Array):
+    """`bias` as a product of query and key factors, for kernels that add no bias, or None.
+
+    Returns (a [B, L, H, R] or None, b [B, S, H or 1, R]), float32, with
+    bias[b, h, i, j] = sum_r a[b, i, h, r] b[b, j, h, r] + c[b, h, i] on every pair the attention
+    allows, for some c constant over each query's keys (softmax ignores it). A None `a` stands for
+    ones: a bias of the key alone (plus c), which may grow with the position (ALiBi's m j).
+    """
     del qpos_BL, kpos_BS
     return None
 

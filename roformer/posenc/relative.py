@@ -73,6 +73,20 @@ class Alibi(PosEnc):
     slopes_1H11 = jnp.asarray(self.slopes, jnp.float32)[None, :, None, None]
     return -slopes_1H11 * distance_BLS[:, None, :, :]
 
+  @classmethod
+  def has_bias_factors(cls, *, causal: bool) -> bool:
+    return causal  # |i - j| is no product of a query and a key term
+
+  def bias_factors(self, qpos_BL, kpos_BS):
+    """Decoder: -m (i - j) = m j - m i, of which the query's -m i is the same for all its keys:
+    the key factor m j per head (float32 [B, S, H, 1]); None for an encoder."""
+    check_positions(qpos_BL, "qpos_BL")
+    check_positions(kpos_BS, "kpos_BS")
+    if not self.causal:
+      return None
+    slopes_11H1 = jnp.asarray(self.slopes, jnp.float32)[None, None, :, None]
+    return None, kpos_BS.astype(jnp.float32)[:, :, None, None] * slopes_11H1
+
 
 def t5_relative_bucket(
   relative_position: jax.Array,

@@ -57,3 +57,26 @@ class Sandwich(PosEnc):
     check_positions(qpos_BL, "qpos_BL")
     check_positions(kpos_BS, "kpos_BS")
     return sandwich_bias(qpos_BL, kpos_BS, dim=self.dim, num_heads=self.num_heads)
+
+  @classmethod
+  def has_bias_factors(cls, *, causal: bool) -> bool:
+    del causal
+    return True
+
+  def bias_factors(self, qpos_BL, kpos_BS):
+    """cos((m - n) t) = cos(m t) cos(n t) + sin(m t) sin(n t), exactly the inner product of
+    sinusoidal embeddings p_m . p_n the paper starts from; the -d'/2 is the same for every key.
+    Query factor p_m / (8h / H) [B, L, H, d'], key factor p_n [B, S, 1, d'] (any GQA)."""
+    check_positions(qpos_BL, "qpos_BL")
+    check_positions(kpos_BS, "kpos_BS")
+    half = self.dim // 2
+    inv_freq = jnp.asarray(10000.0 ** (-2.0 * np.arange(1, half + 1) / self.dim), jnp.float32)
+
+    def sinusoids(pos_BL):
+      angle_BLF = pos_BL.astype(jnp.float32)[..., None] * inv_freq[None, None, :]
+      return jnp.concatenate([jnp.cos(angle_BLF), jnp.sin(angle_BLF)], axis=-1)
+
+    compress = 8.0 * np.arange(1, self.num_heads + 1) / self.num_heads
+    compress_11H1 = jnp.asarray(compress, jnp.float32)[None, None, :, None]
+    a_BLHR = sinusoids(qpos_BL)[:, :, None, :] / compress_11H1
+    return a_BLHR, sinusoids(kpos_BS)[:, :, None, :]

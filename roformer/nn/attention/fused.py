@@ -2,7 +2,9 @@
 
   splash      TPU: Pallas splash attention (`jax.experimental.pallas.ops.tpu.splash_attention`):
               block-sparse masks (causal, full, sliding / chunked / blockwise windows, global
-              tokens), segment ids for packed documents, GQA and sink logits; no logit bias.
+              tokens), segment ids for packed documents, GQA and sink logits; no bias input,
+              but a bias with query and key factors (causal ALiBi, Sandwich) and FoX's key
+              bias go folded into q and k as extra columns (`bias_factors.py`).
   flash_bias  TPU: Pallas flash attention (`jax.experimental.pallas.ops.tpu.flash_attention`),
               which adds a dense bias `ab` [B, H, L, S] to the logits and returns its gradient:
               the relative biases (T5, ALiBi, KERPLE, FIRE, Sandwich) and FoX's forget gate; every
@@ -41,6 +43,7 @@ import jax
 import jax.numpy as jnp
 from absl import logging
 
+from roformer.nn.attention.bias_factors import fold_bias_factors
 from roformer.nn.attention.primitives import (
   NEG,
   add_key_bias,
@@ -65,6 +68,7 @@ def fused_misfit(
   kernel: str,
   *,
   bias: bool = False,
+  factored: bool = False,
   content_bias: bool = False,
   pieces: bool = False,
   dropout: bool = False,
@@ -81,8 +85,10 @@ def fused_misfit(
 ) -> str | None:
   """Why an attention call with these features does not fit `kernel`, or None when it does.
 
-  `platform` (None: any) adds the hardware check: cudnn needs a GPU (the Pallas kernels
-  interpret themselves anywhere). `dtype`, `head_dim` (the q/k width) and `length` ("" or 0:
+  `factored`: the positional bias has query and key factors (`PosEnc.bias_factors`), which splash
+  takes folded into q and k, as it takes FoX's key bias (`bias_factors.py`). `platform` (None:
+  any) adds the hardware check: cudnn needs a GPU (the Pallas kernels interpret themselves
+  anywhere). `dtype`, `head_dim` (the q/k width) and `length` ("" or 0:
   unknown) add cuDNN's limits."""
   if content_bias:
     return "CoPE's content-dependent bias needs the logits, which only the dense kernel has"
@@ -91,9 +97,11 @@ def fused_misfit(
   if dropout:
     return "it has no attention dropout (set model.attention_dropout_rate=0, or dense/chunked)"
   if kernel == "splash":
-    if bias or key_bias:
-      what = "a positional logit bias" if bias else "FoX's forget-gate bias"
-      return f"it adds no logit bias and the model adds {what}; use flash_bias"
+    if bias and not factored:
+      return (
+        "it adds no logit bias, and this encoding's has no query-key factors to fold into q "
+        "and k; use flash_bias"
+      )
     if segments and window and (window_kind in _SEGMENT_ALIGNED or global_tokens):
       form = "global tokens" if global_tokens else f"{window_kind} windows"
       return f"its {form} count token indices, and packed documents restart positions"
@@ -118,22 +126,31 @@ def fused_misfit(
 AUTO_BIAS_BYTES = 1 << 30
 
 
-def auto_misfit(kernel: str, features: dict, *, bias_bytes: int) -> str | None:
+def auto_misfit(kernel: str, features: dict, *, bias_bytes: int, dtype: str) -> str | None:
   """What `auto` adds to `fused_misfit`: no windows (the banded XLA kernel visits only the
   window's key blocks; splash's and cuDNN's windows count token indices, which differ from
-  positions under randomized or offset positions), and no flash_bias whose dense bias would
-  exceed AUTO_BIAS_BYTES per device."""
+  positions under randomized or offset positions), no bias folded into splash's q and k in
+  float32, and no flash_bias whose dense bias would exceed AUTO_BIAS_BYTES per device.
+
+  A folded bias is as exact as the dense kernel's in a 16-bit dtype (three pieces per large key
+  factor, float32 sums). In float32 the kernel's sums hold ALiBi's m j or FoX's -c_j whole, so a
+  logit is off by up to 2^-24 of it (2e-4 in the output at 8k tokens, where the dense kernel is
+  exact: benchmarks/bias_factor_precision.py); flash_bias adds the bias as it is."""
   if features["window"]:
     return "windows go to the banded XLA kernel"
+  folded = features["factored"] or features["key_bias"]
+  if kernel == "splash" and folded and dtype == "float32":
+    return "in float32 a bias folded into q and k is less exact than flash_bias's"
   if kernel == "flash_bias" and bias_bytes > AUTO_BIAS_BYTES:
     return f"its [B, H, L, S] bias would take {bias_bytes / (1 << 30):.1f} GiB per device"
   return None
 
 
-def _features(kwargs, bias_BHLS) -> dict:
+def _features(kwargs, bias_BHLS, factors=None) -> dict:
   """`fused_misfit`'s arguments for one kernel call (kernels' keyword arguments)."""
   return dict(
     bias=bias_BHLS is not None,
+    factored=factors is not None,
     content_bias=kwargs.get("content_bias_fn") is not None,
     pieces=kwargs.get("pieces_fn") is not None,
     dropout=kwargs.get("dropout_key") is not None and kwargs.get("dropout_rate", 0.0) > 0,
@@ -262,8 +279,11 @@ def _index_mask(P: int, causal: bool, window: int, window_kind: str, global_toke
   return RuleMask(shape=(P, P), mask_function=rule)
 
 
-@functools.cache
 def _splash_kernel(H: int, P: int, block: int, rule: tuple, interpret: bool):
+  """Splash's kernel for H heads of one mask rule. Made anew in every trace: the kernel holds its
+  masks' block tables as arrays, which are the trace's constants (a kernel kept across traces
+  would hand one trace's values to the next). The costly part, evaluating the mask block by
+  block, is cached by splash itself per mask (`_index_mask` returns the same one)."""
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
@@ -278,28 +298,39 @@ def _splash_kernel(H: int, P: int, block: int, rule: tuple, interpret: bool):
 
 
 def _checked_pallas_call(kernel: str, q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS, kwargs):
-  """The positional bias of a Pallas kernel's call (or None), after its refusals: self-attention
-  only, and what `fused_misfit` says."""
+  """(positional bias or None, its factors or None) of a Pallas kernel's call, after its
+  refusals: self-attention only, and what `fused_misfit` says. Splash takes the factors."""
   check_ranks(q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS)
   bias_BHLS = _positional_bias(kwargs.get("bias_fn"), qpos_BL, kpos_BS)
-  _refuse(kernel, fused_misfit(kernel, **_features(kwargs, bias_BHLS)))
+  factors = None
+  if kernel == "splash" and bias_BHLS is not None and kwargs.get("bias_factors_fn"):
+    factors = kwargs["bias_factors_fn"](qpos_BL, kpos_BS)
+  _refuse(kernel, fused_misfit(kernel, **_features(kwargs, bias_BHLS, factors)))
   L, S = q_BLHK.shape[1], k_BSGK.shape[1]
   if S != L:
     raise ValueError(f"model.attention_impl={kernel!r} runs self-attention; got L={L}, S={S}")
-  return bias_BHLS
+  return bias_BHLS, factors
 
 
 def splash_attention(q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS, **kwargs):
-  """Self-attention through Pallas splash attention; args and returns as `dense_attention`."""
-  _checked_pallas_call("splash", q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS, kwargs)
+  """Self-attention through Pallas splash attention; args and returns as `dense_attention`.
+  A positional bias with query and key factors and FoX's key bias go folded into q and k
+  (`bias_factors.py`)."""
+  _, factors = _checked_pallas_call("splash", q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS, kwargs)
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
 
   B, L, H, K = q_BLHK.shape
-  S, G, V = k_BSGK.shape[1], k_BSGK.shape[2], v_BSGK.shape[3]
+  S, V = k_BSGK.shape[1], v_BSGK.shape[3]
   on = target_platform()
   P, W = _round_up(L, LANES), _head_width(q_BLHK, v_BSGK, lanes=False)
-  q = _pad_axis(_pad_axis(q_BLHK * (1.0 / math.sqrt(K)), 3, W), 1, P)
-  k, v = (_pad_axis(_pad_axis(x, 3, W), 1, P) for x in (k_BSGK, v_BSGK))
+  q, k, v = (_pad_axis(x, 3, W) for x in (q_BLHK * (1.0 / math.sqrt(K)), k_BSGK, v_BSGK))
+  terms = [] if factors is None else [factors]
+  if (kb_BSH := kwargs.get("key_bias_BSH")) is not None:
+    terms.append((None, kb_BSH.astype(jnp.float32)[..., None]))
+  if terms:
+    q, k, v = fold_bias_factors(q, k, v, terms)
+  q, k, v = (_pad_axis(x, 1, P) for x in (q, k, v))
+  G = k.shape[2]
   qseg, kseg = _segments_padded(kwargs.get("qseg_BL"), kwargs.get("kseg_BS"), B, L, S, P)
   rule = (
     kwargs.get("causal", False), kwargs.get("window", 0), kwargs.get("window_kind", "sliding"),
@@ -338,7 +369,9 @@ def flash_bias_attention(q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS, **kwargs):
   (causal, windows, global tokens, all on positions) forbids a pair; with no bias and no window
   there is none, and the kernel's causal flag (on indices, as splash's masks) and segment ids
   mask alone."""
-  bias_BHLS = _checked_pallas_call("flash_bias", q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS, kwargs)
+  bias_BHLS, _ = _checked_pallas_call(
+    "flash_bias", q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS, kwargs
+  )
   from jax.experimental.pallas.ops.tpu import flash_attention as flash
 
   B, L, H, K = q_BLHK.shape
@@ -472,11 +505,12 @@ def cudnn_attention(q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS, *, implementation=
 FUSED = {"splash": splash_attention, "flash_bias": flash_bias_attention, "cudnn": cudnn_attention}
 
 
-def pick_fused(q_BLHK, kwargs, bias_BHLS, platform: str) -> str | None:
+def pick_fused(q_BLHK, kwargs, bias_BHLS, platform: str, factors=None) -> str | None:
   """The fused kernel `auto` uses on `platform` for this call, or None (the XLA kernels):
-  splash, else flash_bias on a TPU; cudnn on a GPU; none on a CPU (`auto_misfit`)."""
+  splash, else flash_bias on a TPU; cudnn on a GPU; none on a CPU (`auto_misfit`). `bias_BHLS`
+  and `factors` may be those of one (query, key) pair: only whether they exist is read."""
   B, L, H, K = q_BLHK.shape
-  features = _features(kwargs, bias_BHLS)
+  features = _features(kwargs, bias_BHLS, factors)
   shape = dict(dtype=jnp.dtype(q_BLHK.dtype).name, head_dim=K, length=L)
   mesh = jax.sharding.get_abstract_mesh()
   bias_bytes = B * H * _round_up(L, LANES) ** 2 * 4 // (1 if mesh.empty else mesh.size)
@@ -484,7 +518,7 @@ def pick_fused(q_BLHK, kwargs, bias_BHLS, platform: str) -> str | None:
     if PLATFORM[kernel] != platform:
       continue
     reason = fused_misfit(kernel, **features, platform=platform, **shape) or auto_misfit(
-      kernel, features, bias_bytes=bias_bytes
+      kernel, features, bias_bytes=bias_bytes, dtype=shape["dtype"]
     )
     if reason is None:
       _log_once(f"attention_impl=auto, q {tuple(q_BLHK.shape)}: {kernel}")

@@ -18,6 +18,7 @@ from roformer.nn.attention import banded, fused, sinks
 from roformer.nn.attention.piecewise import pieces_cover, piecewise_scores
 from roformer.nn.attention.primitives import (
   NEG,
+  BiasFactorsFn,
   BiasFn,
   ContentBiasFn,
   PiecesFn,
@@ -49,6 +50,7 @@ def dense_attention(
   window: int = 0,
   window_kind: str = "sliding",
   bias_fn: BiasFn | None = None,
+  bias_factors_fn: BiasFactorsFn | None = None,
   content_bias_fn: ContentBiasFn | None = None,
   dropout_rate: float = 0.0,
   dropout_key: jax.Array | None = None,
@@ -73,6 +75,8 @@ def dense_attention(
     qseg_BL, kseg_BS: int segment ids, or None for a single segment.
     causal, window, window_kind: see `attention_mask`.
     bias_fn: positional bias of a block of positions, e.g. `posenc.bias`.
+    bias_factors_fn: the same bias as query and key factors (`posenc.bias_factors`), which
+      kernels that add no bias (splash) fold into q and k; the XLA kernels add `bias_fn`'s.
     content_bias_fn: bias from queries, keys and the mask, e.g. `posenc.content_bias` (CoPE).
     dropout_rate, dropout_key: attention-probability dropout (no dropout when the key is None).
     block: unused (kept so every kernel has the same signature).
@@ -87,7 +91,7 @@ def dense_attention(
   Returns:
     [B, L, H, V] (V the value width) in the dtype of q. A query with no allowed key gets zeros.
   """
-  del block
+  del block, bias_factors_fn
   check_ranks(q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS)
   B, L, H, K = q_BLHK.shape
   S, G, V = k_BSGK.shape[1], k_BSGK.shape[2], v_BSGK.shape[3]
@@ -306,6 +310,7 @@ def chunked_attention(
   window: int = 0,
   window_kind: str = "sliding",
   bias_fn: BiasFn | None = None,
+  bias_factors_fn: BiasFactorsFn | None = None,
   content_bias_fn: ContentBiasFn | None = None,
   dropout_rate: float = 0.0,
   dropout_key: jax.Array | None = None,
@@ -341,6 +346,7 @@ def chunked_attention(
   Args and returns: as `dense_attention`; `block` is the query and key block size. A
   `content_bias_fn` is refused: its cumulative sums run across key blocks.
   """
+  del bias_factors_fn  # the bias comes from bias_fn, block by block
   if content_bias_fn is not None:
     raise ValueError(
       "the chunked attention kernel cannot add a content-dependent positional bias (posenc.kind="
@@ -421,10 +427,15 @@ def auto_attention(q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS, *, block: int = 512
   L, S = q_BLHK.shape[1], k_BSGK.shape[1]
   platform = fused.target_platform()
   if platform in ("tpu", "gpu") and L == S:
-    bias_fn = kwargs.get("bias_fn")
-    # Whether the encoding adds a bias, from one (query, key) pair: no [L, S] array is traced.
-    probe = None if bias_fn is None else bias_fn(qpos_BL[:, :1], kpos_BS[:, :1])
-    if kernel := fused.pick_fused(q_BLHK, kwargs, probe, platform):
+    # Whether the encoding adds a bias and has its factors, from one (query, key) pair: no
+    # [L, S] array is traced.
+    pair = (qpos_BL[:, :1], kpos_BS[:, :1])
+    probe = factors = None
+    if (bias_fn := kwargs.get("bias_fn")) is not None:
+      probe = bias_fn(*pair)
+    if probe is not None and (factors_fn := kwargs.get("bias_factors_fn")) is not None:
+      factors = factors_fn(*pair)
+    if kernel := fused.pick_fused(q_BLHK, kwargs, probe, platform, factors):
       return fused.FUSED[kernel](q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS, block=block, **kwargs)
   small = L * S <= block * block
   if small or kwargs.get("content_bias_fn") is not None:

@@ -184,7 +184,7 @@ class MLAttention(nnx.Module):
         return o_BLHK, cache
     o_BLHK = self._attend_latent(
       KERNELS[self.impl], q_BLHK, c_BLP, kr_BL1R, pos_BL, pos_BL, qseg_BL=segment_ids_BL,
-      kseg_BS=segment_ids_BL, bias_fn=posenc.bias, dropout_rate=self.dropout_rate,
-      dropout_key=dropout_key,
+      kseg_BS=segment_ids_BL, bias_fn=posenc.bias, bias_factors_fn=posenc.bias_factors,
+      dropout_rate=self.dropout_rate, dropout_key=dropout_key,
     )  # fmt: skip
     return o_BLHK, cache

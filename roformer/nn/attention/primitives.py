@@ -15,6 +15,11 @@ import jax.numpy as jnp
 BiasFn = Callable[[jax.Array, jax.Array], jax.Array | None]
 
 
+# (qpos_BL, kpos_BS) -> (a [B, L, H, R] or None, b [B, S, H or 1, R]) or None: the same bias
+# as a product of query and key factors (`PosEnc.bias_factors`), for kernels that add no bias.
+BiasFactorsFn = Callable[[jax.Array, jax.Array], tuple | None]
+
+
 # (q_BLHK, k_BSGK, mask_BLS) -> float32 [B, H, L, S]: a content-dependent bias (CoPE).
 ContentBiasFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 

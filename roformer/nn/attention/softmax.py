@@ -54,6 +54,7 @@ def check_fused_config(cfg, posenc_cls, *, head_dim: int = 0) -> None:
   reason = fused.fused_misfit(
     cfg.attention_impl,
     bias=posenc_cls.acts_on_logits(),
+    factored=posenc_cls.has_bias_factors(causal=cfg.kind == "decoder"),
     content_bias=posenc_cls.content_bias is not None,
     pieces=cfg.posenc.extension.kind != "none",
     dropout=attention_dropout(cfg) > 0,
@@ -321,6 +322,7 @@ class Attention(nnx.Module):
       window=self.window,
       window_kind=self.window_kind,
       bias_fn=posenc.bias,
+      bias_factors_fn=posenc.bias_factors,
       content_bias_fn=posenc.content_bias,
       dropout_rate=self.dropout_rate,
       dropout_key=dropout_key,

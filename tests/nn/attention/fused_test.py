@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 from roformer import testing
-from roformer.nn.attention import fused, kernels
+from roformer.nn.attention import bias_factors, fused, kernels
 from roformer.posenc import make_posenc
 from roformer.posenc.config import PosEncConfig
 
@@ -80,6 +80,7 @@ def _compare(kernel, kind="rope", *, causal=True, groups=G, positions="offset", 
 
     o = fn(
       q, k, v, pos, pos, qseg_BL=seg, kseg_BS=seg, causal=causal, bias_fn=bias_fn,
+      bias_factors_fn=None if extra["bias"] is not None else posenc.bias_factors,
       content_bias_fn=posenc.content_bias, sink_H=extra["sink_H"],
       key_bias_BSH=extra["key_bias_BSH"], **kwargs,
     )  # fmt: skip
@@ -110,6 +111,15 @@ SPLASH_CASES = {
   "sinusoidal sinks": dict(kind="sinusoidal", sinks=True),
   "rope sinks sliding": dict(kind="rope", sinks=True, window=16),
   "pope (keys twice as wide)": dict(kind="pope"),
+  # Biases folded into q and k (fold_bias_factors): ALiBi's m j and FoX's -c_j as key columns
+  # against query columns of ones, Sandwich's sinusoids on both sides.
+  "alibi decoder GQA (slopes per head: keys repeated)": dict(kind="alibi"),
+  "alibi decoder MQA packed": dict(kind="alibi", groups=1, packed=True),
+  "alibi decoder sliding window": dict(kind="alibi", window=16),
+  "sandwich decoder GQA": dict(kind="sandwich"),
+  "sandwich encoder packed": dict(kind="sandwich", causal=False, packed=True),
+  "fox (nope + forget gate) packed": dict(kind="nope", forget=True, packed=True),
+  "fox + rope sinks, MQA": dict(kind="rope", forget=True, sinks=True, groups=1),
 }
 
 
@@ -186,16 +196,26 @@ def test_a_wrong_mask_rule_is_caught(monkeypatch):
   def one_wider(P, causal, window, window_kind, global_tokens):
     return real(P, causal, window + 1, window_kind, global_tokens)
 
-  fused._splash_kernel.cache_clear()
   monkeypatch.setattr(fused, "_index_mask", one_wider)
   err, scale = _compare(fused.splash_attention, kind="rope", window=16)
-  fused._splash_kernel.cache_clear()
   assert err > 1e-3 * scale
 
 
+def test_a_splash_kernel_made_under_one_jit_serves_the_next():
+  """A kernel first made while a jit traces must not carry that trace's values into another (a
+  train step, then an eval step of the same shape)."""
+  q, k, v = _normal((B, L, H, K), 0), _normal((B, L, G, K), 1), _normal((B, L, G, K), 2)
+  pos = jnp.broadcast_to(jnp.arange(L), (B, L))
+  attend = lambda q: fused.splash_attention(q, k, v, pos, pos, causal=True)  # noqa: E731
+  first = jax.jit(attend)(q)
+  second = jax.jit(lambda q: attend(q) * 2.0)(q)
+  np.testing.assert_allclose(second, 2.0 * first, rtol=1e-6)
+
+
 REFUSALS = [
-  (fused.splash_attention, dict(kind="alibi"), "splash.*logit bias.*flash_bias"),
-  (fused.splash_attention, dict(kind="nope", forget=True), "splash.*forget-gate"),
+  (fused.splash_attention, dict(kind="t5"), "splash.*no query-key factors.*flash_bias"),
+  (fused.splash_attention, dict(kind="alibi", causal=False), "splash.*no query-key factors"),
+  (fused.splash_attention, dict(kind="rope", extra_bias=True), "splash.*no query-key factors"),
   (
     fused.splash_attention,
     dict(kind="rope", packed=True, window=32, window_kind="chunked"),
@@ -246,6 +266,34 @@ def test_cudnn_takes_fox_bias_relative_to_each_row_in_bfloat16():
   assert float(jnp.abs(absolute - want).max()) > 0.2
 
 
+@pytest.mark.parametrize("kind", ["alibi", "fox"])
+def test_folded_key_factors_keep_float32_precision_in_bfloat16(monkeypatch, kind):
+  """ALiBi's m j and FoX's -c_j reach thousands at long positions; folded into bfloat16 keys
+  as one value they lose all but 8 bits (off by |m j| / 512, whole logits), as three pieces
+  they keep float32's, and the kernel's float32 products and sums add them back exactly."""
+  length, heads, start = 256, 4, 30_000  # positions 30000..30255 (an offset, as in generation)
+  q, k, v = (_normal((1, length, heads, 16), s) for s in (0, 1, 2))
+  pos = start + jnp.arange(length)[None]
+  posenc = _posenc("alibi" if kind == "alibi" else "nope", True, num_kv_heads=heads)
+  c_BLH = -jnp.cumsum(jax.nn.softplus(_normal((1, start + length, heads), 6) - 3.0), 1)[:, start:]
+  options = dict(causal=True, bias_fn=posenc.bias, bias_factors_fn=posenc.bias_factors)
+  if kind == "fox":
+    options["key_bias_BSH"] = -c_BLH
+  assert float(jnp.abs(c_BLH).min() if kind == "fox" else 0.25 * start) > 1000  # large factors
+  want = kernels.dense_attention(q, k, v, pos, pos, **options)
+  low = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+
+  def error(fn):
+    return float(jnp.abs(fn(*low, pos, pos, **options).astype(jnp.float32) - want).max())
+
+  dense_bf16 = error(kernels.dense_attention)  # bfloat16 inputs, float32 bias: the reference
+  folded = error(fused.splash_attention)
+  monkeypatch.setattr(bias_factors, "KEY_FACTOR_PIECES", 1)
+  one_piece = error(fused.splash_attention)
+  assert folded <= 1.5 * dense_bf16, (folded, dense_bf16)
+  assert one_piece > 10 * dense_bf16, (one_piece, dense_bf16)  # the control
+
+
 def test_cope_and_dropout_are_refused_by_every_fused_kernel():
   for kernel in fused.FUSED:
     assert "dense kernel" in fused.fused_misfit(kernel, content_bias=True)
@@ -256,8 +304,8 @@ def test_cope_and_dropout_are_refused_by_every_fused_kernel():
 @pytest.mark.parametrize(
   "overrides, message",
   [
-    ({"attention_impl": "splash", "posenc.kind": "alibi"}, "splash.*alibi.*flash_bias"),
-    ({"attention_impl": "splash", "forget_gate": True, "posenc.kind": "nope"}, "forget-gate"),
+    ({"attention_impl": "splash", "posenc.kind": "kerple"}, "splash.*kerple.*flash_bias"),
+    ({"attention_impl": "splash", "posenc.kind": "fire"}, "splash.*fire.*no query-key factors"),
     ({"attention_impl": "flash_bias", "attention_sinks": True}, "sink logit"),
     ({"attention_impl": "splash", "posenc.kind": "cope"}, "CoPE"),
     ({"attention_impl": "splash", "dropout_rate": 0.1}, "attention dropout"),
@@ -269,9 +317,9 @@ def test_cope_and_dropout_are_refused_by_every_fused_kernel():
         "attention": "mla",
         "kv_lora_rank": 16,
         "qk_rope_head_dim": 4,
-        "posenc.kind": "alibi",
+        "posenc.kind": "t5",
       },
-      "splash.*alibi.*flash_bias",
+      "splash.*t5.*flash_bias",
     ),
   ],
 )
@@ -290,9 +338,16 @@ def test_model_configs_a_fused_kernel_cannot_run_are_refused(overrides, message)
     ("tpu", dict(kind="rope"), "splash"),
     ("tpu", dict(kind="rope", sinks=True), "splash"),
     ("tpu", dict(kind="rope", sinks=True, window=16), None),  # windows: the banded kernel
+    # Folded into q and k: as exact as dense in bfloat16, less than flash_bias in float32.
+    ("tpu", dict(kind="alibi", dtype=jnp.bfloat16), "splash"),
+    ("tpu", dict(kind="sandwich", causal=False, dtype=jnp.bfloat16), "splash"),
+    ("tpu", dict(kind="nope", forget=True, dtype=jnp.bfloat16), "splash"),
     ("tpu", dict(kind="alibi"), "flash_bias"),
     ("tpu", dict(kind="nope", forget=True), "flash_bias"),
-    ("tpu", dict(kind="alibi", sinks=True), None),
+    ("tpu", dict(kind="t5", dtype=jnp.bfloat16), "flash_bias"),
+    ("tpu", dict(kind="alibi", causal=False, dtype=jnp.bfloat16), "flash_bias"),
+    ("tpu", dict(kind="t5", sinks=True), None),
+    ("tpu", dict(kind="alibi", sinks=True, dtype=jnp.bfloat16), "splash"),
     ("tpu", dict(kind="cope"), None),
     ("gpu", dict(kind="t5", causal=False, dtype=jnp.bfloat16), "cudnn"),
     ("gpu", dict(kind="t5", causal=False), None),  # float32: cuDNN refuses it
@@ -339,6 +394,8 @@ def test_auto_on_cpu_is_unchanged_by_the_fused_kernels(monkeypatch):
 MODEL_CASES = {
   "softmax, GQA, QK-norm, sinks": dict(num_kv_heads=2, attention_sinks=True, qk_norm="rmsnorm"),
   "mla": dict(attention="mla", kv_lora_rank=16, qk_rope_head_dim=4),
+  "alibi folded, GQA": dict(num_kv_heads=2, posenc="alibi"),
+  "fox folded (learned forget gate)": dict(forget_gate=True, posenc="nope"),
 }
 
 
@@ -346,14 +403,16 @@ MODEL_CASES = {
 def test_splash_in_the_model_equals_dense_in_a_training_step(case):
   """A decoder whose attention_impl is splash: the loss and every parameter gradient equal the
   dense kernel's (the attention layers' own paths: projections, QK-norm, sinks, GQA, MLA's
-  latent keys, whose queries and keys are wider than its values)."""
+  latent keys, whose queries and keys are wider than its values, and the biases folded into q
+  and k, FoX's gate learning through its key factor)."""
   from roformer.nn.config import ModelConfig
   from roformer.nn.model import make_model
 
   def loss_and_grads(impl):
+    fields = dict(MODEL_CASES[case])
     cfg = ModelConfig(
       kind="decoder", vocab_size=64, num_layers=2, emb_dim=32, num_heads=4, mlp_dim=64,
-      attention_impl=impl, posenc=PosEncConfig(kind="rope"), **MODEL_CASES[case],
+      attention_impl=impl, posenc=PosEncConfig(kind=fields.pop("posenc", "rope")), **fields,
     )  # fmt: skip
     model = make_model(cfg, rngs=nnx.Rngs(0))
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 100)), jnp.int32)
@@ -376,7 +435,10 @@ import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 from roformer.config import MeshConfig
 from roformer.infra.sharding import make_mesh
-from roformer.nn.attention import fused, kernels
+from roformer.nn.attention import bias_factors, fused, kernels
+from flax import nnx
+from roformer.posenc import make_posenc
+from roformer.posenc.config import PosEncConfig
 mesh = make_mesh(MeshConfig(data=2, fsdp=1, tensor=2))
 r = np.random.default_rng(0)
 shapes = [(4, 100, 4, 8), (4, 100, 2, 8), (4, 100, 2, 8)]
@@ -384,19 +446,24 @@ q, k, v = (jnp.asarray(r.standard_normal(s), jnp.float32) for s in shapes)
 pos = jnp.broadcast_to(jnp.arange(100), (4, 100))
 sink = jnp.asarray(r.standard_normal(4), jnp.float32)
 ab = jnp.asarray(r.standard_normal((1, 4, 100, 100)), jnp.float32)
+alibi = make_posenc(PosEncConfig(kind="alibi"), num_heads=4, head_dim=8, emb_dim=32, causal=True,
+                    num_kv_heads=2, rngs=nnx.Rngs(0))
+folded = dict(bias_fn=alibi.bias, bias_factors_fn=alibi.bias_factors)
 put = lambda x: jax.device_put(x, NamedSharding(mesh, P("data", None, "tensor", None)))
 with jax.set_mesh(mesh):
-  for name, kw in (("splash", dict(sink_H=sink)), ("flash_bias", dict(bias_fn=lambda a, b: ab))):
+  for label, kw in (("splash", dict(sink_H=sink)), ("flash_bias", dict(bias_fn=lambda a, b: ab)),
+                    ("splash_folded", folded)):
     kw = dict(causal=True, window=16, **kw)
-    fn = getattr(fused, name + "_attention")
+    fn = getattr(fused, label.removesuffix("_folded") + "_attention")
     got = jax.jit(lambda q, k, v: fn(q, k, v, pos, pos, **kw))(put(q), put(k), put(v))
-    print(name, float(jnp.abs(got - kernels.dense_attention(q, k, v, pos, pos, **kw)).max()))
+    print(label, float(jnp.abs(got - kernels.dense_attention(q, k, v, pos, pos, **kw)).max()))
 """
 
 
 @pytest.mark.slow
 def test_fused_kernels_split_over_batch_and_heads_of_a_mesh():
-  """Batch over data, heads (their sinks and bias rows) over tensor, by shard_map."""
+  """Batch over data, heads (their sinks and bias rows) over tensor, by shard_map; ALiBi folded
+  into GQA keys repeated per query head."""
   import subprocess
   import sys
 
@@ -405,7 +472,7 @@ def test_fused_kernels_split_over_batch_and_heads_of_a_mesh():
     capture_output=True, text=True, check=True, timeout=600,
   ).stdout  # fmt: skip
   errors = dict(line.split() for line in out.strip().splitlines())
-  assert set(errors) == {"splash", "flash_bias"}
+  assert set(errors) == {"splash", "flash_bias", "splash_folded"}
   assert all(float(e) < TOL for e in errors.values()), errors
 
 
