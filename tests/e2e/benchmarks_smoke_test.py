@@ -27,6 +27,15 @@ CASES = {
       r"^\| fox \| [\d,]+ \| [\d.]+ \|",
     ],
   ),  # fmt: skip
+  "bias_factor_precision": (
+    ["--lengths=2048", "--heads=4", "--head_dim=16", "--sandwich_dim=32"],
+    [  # ALiBi's m j reaches 512: one bfloat16 piece is off by whole units, three are not
+      r"^\| alibi \| float32 \| 2048 \| 512 \| 0\.0e\+00 \| \d\.\de-0[5-9] \|  \|",
+      r"^\| alibi \| bfloat16 \| 2048 \| 512 \| \d\.\de-03 \| \d\.\de-03 \| \d\.\de[-+]0[01] \|",
+      r"^\| sandwich \| bfloat16 \| 2048 \|  \|",
+      r"^\| fox \| float32 \| 2048 \| \d+ \|",
+    ],
+  ),  # fmt: skip
   "eval_memory": (
     ["--lengths=128,256", "--num_layers=1", "--emb_dim=32", "--attention_block=64"],
     [r"^\s+128\s+\d+", r"^\s+256\s+\d+"],
