@@ -310,26 +310,35 @@ def test_task_evaluation_applies_a_scaling_per_length_and_an_extension(tmp_path,
   assert "sinks (sinks 1, window 6)" in result["notes"]
 
 
+_MAKE_PREDICT = task_vs_length.make_predict  # before any test patches it
+
+
+def _scored_predictions(workdir, monkeypatch, lengths, **kwargs):
+  """(result, JSON path, the greedy predictions of every batch scored) of an evaluation of 8
+  examples per length."""
+  out = []
+
+  def make_predict(model):
+    predict = _MAKE_PREDICT(model)
+    return lambda *a: out.append(np.asarray(predict(*a))) or out[-1]
+
+  monkeypatch.setattr(task_vs_length, "make_predict", make_predict)
+  result, path = task_vs_length.evaluate_tasks(
+    workdir, lengths=lengths, num_examples=8, log=lambda _: None, **kwargs
+  )
+  return result, path, out
+
+
 def test_task_evaluation_with_an_extension_covering_every_key_scores_as_plain(
   tmp_path, monkeypatch
 ):
   from roformer.posenc.config import ContextExtension
 
   _tiny_passkey_run(tmp_path, monkeypatch, [])
-  real_make_predict = task_vs_length.make_predict
 
   def predictions(**kwargs):
     """The greedy predictions of every scored batch (a random model scores 0 everywhere)."""
-    out = []
-
-    def make_predict(model):
-      predict = real_make_predict(model)
-      return lambda *a: out.append(np.asarray(predict(*a))) or out[-1]
-
-    monkeypatch.setattr(task_vs_length, "make_predict", make_predict)
-    task_vs_length.evaluate_tasks(
-      tmp_path, lengths=[4, 8, 16], num_examples=8, log=lambda _: None, **kwargs
-    )
+    _, _, out = _scored_predictions(tmp_path, monkeypatch, [4, 8, 16], **kwargs)
     return np.concatenate([p.ravel() for p in out])
 
   plain = predictions()
@@ -346,20 +355,10 @@ def test_task_evaluation_imposes_a_query_temperature_beyond_the_training_length(
 ):
   seen = []
   seq_len = _tiny_passkey_run(tmp_path, monkeypatch, seen)
-  real_make_predict = task_vs_length.make_predict
 
   def predictions(**kwargs):
     """Greedy predictions per task length (the first batch of each)."""
-    out = []
-
-    def make_predict(model):
-      predict = real_make_predict(model)
-      return lambda *a: out.append(np.asarray(predict(*a))) or out[-1]
-
-    monkeypatch.setattr(task_vs_length, "make_predict", make_predict)
-    result, path = task_vs_length.evaluate_tasks(
-      tmp_path, lengths=[8, 64], num_examples=8, log=lambda _: None, **kwargs
-    )
+    result, path, out = _scored_predictions(tmp_path, monkeypatch, [8, 64], **kwargs)
     by_length = {}
     for pred in out:  # the depth grid scores each length again: keep the first of each width
       by_length.setdefault(pred.shape[1], pred)
