@@ -188,7 +188,7 @@ class PosEnc(nnx.Module):
     Returns (a [B, L, H, R] or None, b [B, S, H or 1, R]), float32, with
     bias[b, h, i, j] = sum_r a[b, i, h, r] b[b, j, h, r] + c[b, h, i] on every pair the attention
     allows, for some c constant over each query's keys (softmax ignores it). A None `a` stands for
-    ones: a bias of the key alone (plus c), which may grow with the position (ALiBi's m j).
+    ones: a bias of the key alone (plus c), which may grow with the position (ALiBi's m (j - j0)).
     """
     del qpos_BL, kpos_BS
     return None

@@ -78,14 +78,16 @@ class Alibi(PosEnc):
     return causal  # |i - j| is no product of a query and a key term
 
   def bias_factors(self, qpos_BL, kpos_BS):
-    """Decoder: -m (i - j) = m j - m i, of which the query's -m i is the same for all its keys:
-    the key factor m j per head (float32 [B, S, H, 1]); None for an encoder."""
+    """Decoder: -m (i - j) = m (j - j0) - m (i - j0), of which -m (i - j0) is the same for all
+    of query i's keys: the key factor m (j - j0) per head (float32 [B, S, H, 1]), j0 each row's
+    first key position (positions far from 0 keep the factor small). None for an encoder."""
     check_positions(qpos_BL, "qpos_BL")
     check_positions(kpos_BS, "kpos_BS")
     if not self.causal:
       return None
     slopes_11H1 = jnp.asarray(self.slopes, jnp.float32)[None, None, :, None]
-    return None, kpos_BS.astype(jnp.float32)[:, :, None, None] * slopes_11H1
+    offset_BS = (kpos_BS - kpos_BS[:, :1]).astype(jnp.float32)
+    return None, offset_BS[:, :, None, None] * slopes_11H1
 
 
 def t5_relative_bucket(

@@ -2,29 +2,41 @@
 
 A bias that is a sum of products of a query term and a key term, up to a constant per query
 (which softmax ignores), needs no bias input: appended to q and k as extra columns, q.k adds it.
-Causal ALiBi (m j), Sandwich (sinusoids on both sides, `PosEnc.bias_factors`) and FoX's key bias
-(-c_j) have such forms; docs/attention_variants.md measures their precision.
+Causal ALiBi (m (j - j0)), Sandwich (sinusoids on both sides, `PosEnc.bias_factors`) and FoX's
+key bias (-c_j) have such forms; docs/attention_variants.md measures their precision.
 
 Dimension legend as kernels.py; R factor columns, E extra columns of q and k.
 """
 
+import jax
 import jax.numpy as jnp
 
-# Pieces of a key factor that grows with the position (ALiBi's m j, FoX's -c_j) in a 16-bit
+# Pieces of a key factor that grows with the position (ALiBi's m (j - j0), FoX's -c_j) in a 16-bit
 # compute dtype: three bfloat16 pieces hold 24 significant bits, float32's, and the kernel's
 # products and sums run in float32 (splash: preferred_element_type=float32), so the folded bias
-# is float32's. One piece would keep 8 bits: ALiBi's m j off by up to |m j| / 512.
+# is float32's. One piece would keep 8 bits: a factor x off by up to |x| / 512.
 KEY_FACTOR_PIECES = 3
 
 
 def _split(x, dtype, pieces: int):
   """x (float32) as `pieces` values of `dtype` whose float32 sum is x to float32 precision: each
-  the rounding of what the ones before it left. The gradient reaches x through the first (the
-  rest are x minus their predecessors, whose derivative in x is 0)."""
+  what the ones before it left, cut to dtype's significand.
+
+  The cut masks float32's low significand bits, so each piece is exactly a `dtype` value. A
+  rounding through `dtype` and back (x - float32(dtype(x))) would be the same numbers, but
+  compilers may drop such a round trip as excess precision (XLA's SimplifyFPConversions), which
+  would leave one piece. The gradient reaches x through the first piece (the rest are x minus
+  their predecessors, whose derivative in x is 0)."""
+  drop = 23 - jnp.finfo(dtype).nmant  # float32's significand bits the dtype has not
+  keep = jnp.uint32((0xFFFFFFFF >> drop) << drop)
   parts, rest = [], x
   for _ in range(pieces):
-    parts.append(rest.astype(dtype))
-    rest = rest - parts[-1].astype(jnp.float32)
+    cut = jax.lax.bitcast_convert_type(
+      jax.lax.bitcast_convert_type(rest, jnp.uint32) & keep, jnp.float32
+    )
+    piece = rest - jax.lax.stop_gradient(rest - cut)  # = cut, with rest's gradient
+    parts.append(piece.astype(dtype))
+    rest = rest - piece
   return parts
 
 

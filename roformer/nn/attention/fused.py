@@ -102,6 +102,11 @@ def fused_misfit(
         "it adds no logit bias, and this encoding's has no query-key factors to fold into q "
         "and k; use flash_bias"
       )
+    if bias and sinks:
+      return (
+        "folding a bias into q and k drops its per-query constant, which a sink logit is "
+        "compared with; use dense or chunked"
+      )
     if segments and window and (window_kind in _SEGMENT_ALIGNED or global_tokens):
       form = "global tokens" if global_tokens else f"{window_kind} windows"
       return f"its {form} count token indices, and packed documents restart positions"
@@ -126,21 +131,28 @@ def fused_misfit(
 AUTO_BIAS_BYTES = 1 << 30
 
 
-def auto_misfit(kernel: str, features: dict, *, bias_bytes: int, dtype: str) -> str | None:
+def auto_misfit(
+  kernel: str, features: dict, *, bias_bytes: int, dtype: str, head_dim: int, fold_width: int = 0
+) -> str | None:
   """What `auto` adds to `fused_misfit`: no windows (the banded XLA kernel visits only the
   window's key blocks; splash's and cuDNN's windows count token indices, which differ from
   positions under randomized or offset positions), no bias folded into splash's q and k in
-  float32, and no flash_bias whose dense bias would exceed AUTO_BIAS_BYTES per device.
+  float32 or wider than the heads, and no flash_bias whose dense bias would exceed
+  AUTO_BIAS_BYTES per device.
 
-  A folded bias is as exact as the dense kernel's in a 16-bit dtype (three pieces per large key
-  factor, float32 sums). In float32 the kernel's sums hold ALiBi's m j or FoX's -c_j whole, so a
-  logit is off by up to 2^-24 of it (2e-4 in the output at 8k tokens, where the dense kernel is
-  exact: benchmarks/bias_factor_precision.py); flash_bias adds the bias as it is."""
+  In a 16-bit dtype a folded ALiBi or FoX bias is as exact as the dense kernel's (three pieces per
+  large key factor, float32 sums), Sandwich's within 1.7x (benchmarks/bias_factor_precision.py).
+  In float32 the kernel's sums hold ALiBi's m (j - j0) or FoX's -c_j whole, so a logit is off by
+  up to 2^-24 of it (2e-4 in the output at 8k tokens, where the dense kernel is exact);
+  flash_bias adds the bias as it is. Sandwich's factors are d' wide (model.emb_dim by default):
+  folded, they would multiply the q.k work."""
   if features["window"]:
     return "windows go to the banded XLA kernel"
-  folded = features["factored"] or features["key_bias"]
-  if kernel == "splash" and folded and dtype == "float32":
-    return "in float32 a bias folded into q and k is less exact than flash_bias's"
+  if kernel == "splash" and (features["factored"] or features["key_bias"]):
+    if dtype == "float32":
+      return "in float32 a bias folded into q and k is less exact than flash_bias's"
+    if fold_width > head_dim:  # the factors' columns, before any splitting into pieces
+      return f"folding its bias would widen q and k from {head_dim} to {head_dim + fold_width}"
   if kernel == "flash_bias" and bias_bytes > AUTO_BIAS_BYTES:
     return f"its [B, H, L, S] bias would take {bias_bytes / (1 << 30):.1f} GiB per device"
   return None
@@ -518,7 +530,12 @@ def pick_fused(q_BLHK, kwargs, bias_BHLS, platform: str, factors=None) -> str | 
     if PLATFORM[kernel] != platform:
       continue
     reason = fused_misfit(kernel, **features, platform=platform, **shape) or auto_misfit(
-      kernel, features, bias_bytes=bias_bytes, dtype=shape["dtype"]
+      kernel,
+      features,
+      bias_bytes=bias_bytes,
+      dtype=shape["dtype"],
+      head_dim=K,
+      fold_width=0 if factors is None else factors[1].shape[-1],
     )
     if reason is None:
       _log_once(f"attention_impl=auto, q {tuple(q_BLHK.shape)}: {kernel}")

@@ -216,6 +216,7 @@ REFUSALS = [
   (fused.splash_attention, dict(kind="t5"), "splash.*no query-key factors.*flash_bias"),
   (fused.splash_attention, dict(kind="alibi", causal=False), "splash.*no query-key factors"),
   (fused.splash_attention, dict(kind="rope", extra_bias=True), "splash.*no query-key factors"),
+  (fused.splash_attention, dict(kind="alibi", sinks=True), "splash.*per-query constant.*sink"),
   (
     fused.splash_attention,
     dict(kind="rope", packed=True, window=32, window_kind="chunked"),
@@ -268,10 +269,11 @@ def test_cudnn_takes_fox_bias_relative_to_each_row_in_bfloat16():
 
 @pytest.mark.parametrize("kind", ["alibi", "fox"])
 def test_folded_key_factors_keep_float32_precision_in_bfloat16(monkeypatch, kind):
-  """ALiBi's m j and FoX's -c_j reach thousands at long positions; folded into bfloat16 keys
-  as one value they lose all but 8 bits (off by |m j| / 512, whole logits), as three pieces
-  they keep float32's, and the kernel's float32 products and sums add them back exactly."""
-  length, heads, start = 256, 4, 30_000  # positions 30000..30255 (an offset, as in generation)
+  """ALiBi's m (j - j0) and FoX's -c_j reach hundreds and thousands; folded into bfloat16 keys as
+  one value they keep 8 significant bits (off by whole logits), as three pieces float32's, and
+  the kernel's float32 products and sums add them back exactly. Compiled with jit, where a
+  rounding through bfloat16 and back could be dropped as excess precision."""
+  length, heads, start = 1024, 4, 30_000  # positions from 30000, as in generation
   q, k, v = (_normal((1, length, heads, 16), s) for s in (0, 1, 2))
   pos = start + jnp.arange(length)[None]
   posenc = _posenc("alibi" if kind == "alibi" else "nope", True, num_kv_heads=heads)
@@ -279,12 +281,14 @@ def test_folded_key_factors_keep_float32_precision_in_bfloat16(monkeypatch, kind
   options = dict(causal=True, bias_fn=posenc.bias, bias_factors_fn=posenc.bias_factors)
   if kind == "fox":
     options["key_bias_BSH"] = -c_BLH
-  assert float(jnp.abs(c_BLH).min() if kind == "fox" else 0.25 * start) > 1000  # large factors
+  largest = float(jnp.abs(c_BLH).max()) if kind == "fox" else 0.25 * (length - 1)
+  assert largest > 250  # past the integers bfloat16 holds exactly
   want = kernels.dense_attention(q, k, v, pos, pos, **options)
   low = [x.astype(jnp.bfloat16) for x in (q, k, v)]
 
   def error(fn):
-    return float(jnp.abs(fn(*low, pos, pos, **options).astype(jnp.float32) - want).max())
+    got = jax.jit(lambda q, k, v: fn(q, k, v, pos, pos, **options))(*low)
+    return float(jnp.abs(got.astype(jnp.float32) - want).max())
 
   dense_bf16 = error(kernels.dense_attention)  # bfloat16 inputs, float32 bias: the reference
   folded = error(fused.splash_attention)
@@ -340,14 +344,16 @@ def test_model_configs_a_fused_kernel_cannot_run_are_refused(overrides, message)
     ("tpu", dict(kind="rope", sinks=True, window=16), None),  # windows: the banded kernel
     # Folded into q and k: as exact as dense in bfloat16, less than flash_bias in float32.
     ("tpu", dict(kind="alibi", dtype=jnp.bfloat16), "splash"),
-    ("tpu", dict(kind="sandwich", causal=False, dtype=jnp.bfloat16), "splash"),
+    # Sandwich's factors are emb_dim = 32 wide here, wider than the heads (8): flash_bias.
+    ("tpu", dict(kind="sandwich", causal=False, dtype=jnp.bfloat16), "flash_bias"),
     ("tpu", dict(kind="nope", forget=True, dtype=jnp.bfloat16), "splash"),
     ("tpu", dict(kind="alibi"), "flash_bias"),
     ("tpu", dict(kind="nope", forget=True), "flash_bias"),
     ("tpu", dict(kind="t5", dtype=jnp.bfloat16), "flash_bias"),
     ("tpu", dict(kind="alibi", causal=False, dtype=jnp.bfloat16), "flash_bias"),
     ("tpu", dict(kind="t5", sinks=True), None),
-    ("tpu", dict(kind="alibi", sinks=True, dtype=jnp.bfloat16), "splash"),
+    ("tpu", dict(kind="alibi", sinks=True, dtype=jnp.bfloat16), None),  # no fused kernel
+    ("tpu", dict(kind="nope", forget=True, sinks=True, dtype=jnp.bfloat16), "splash"),
     ("tpu", dict(kind="cope"), None),
     ("gpu", dict(kind="t5", causal=False, dtype=jnp.bfloat16), "cudnn"),
     ("gpu", dict(kind="t5", causal=False), None),  # float32: cuDNN refuses it
