@@ -179,6 +179,16 @@ def _positional_bias(bias_fn, qpos_BL, kpos_BS):
   return None if bias_fn is None else bias_fn(qpos_BL, kpos_BS)
 
 
+def probe_bias(kwargs, qpos_BL, kpos_BS):
+  """(the positional bias, its factors) of the first (query, key) pair, each None when the
+  encoding has none: whether they exist, without tracing an [L, S] bias."""
+  pair = (qpos_BL[:, :1], kpos_BS[:, :1])
+  probe = _positional_bias(kwargs.get("bias_fn"), *pair)
+  factors_fn = kwargs.get("bias_factors_fn")
+  factors = None if probe is None or factors_fn is None else factors_fn(*pair)
+  return probe, factors
+
+
 def _refuse(kernel: str, reason: str | None) -> None:
   if reason is not None:
     raise ValueError(f"model.attention_impl={kernel!r} cannot run this attention: {reason}")
@@ -310,25 +320,29 @@ def _splash_kernel(H: int, P: int, block: int, rule: tuple, interpret: bool):
 
 
 def _checked_pallas_call(kernel: str, q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS, kwargs):
-  """(positional bias or None, its factors or None) of a Pallas kernel's call, after its
-  refusals: self-attention only, and what `fused_misfit` says. Splash takes the factors."""
+  """The positional bias [B, H, L, S] of a flash_bias call, or splash's bias factors (each None
+  when there are none), after the kernel's refusals: self-attention only, and what
+  `fused_misfit` says. Splash never needs the bias itself: it is probed on one pair."""
   check_ranks(q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS)
-  bias_BHLS = _positional_bias(kwargs.get("bias_fn"), qpos_BL, kpos_BS)
   factors = None
-  if kernel == "splash" and bias_BHLS is not None and kwargs.get("bias_factors_fn"):
-    factors = kwargs["bias_factors_fn"](qpos_BL, kpos_BS)
+  if kernel == "splash":
+    bias_BHLS, factors = probe_bias(kwargs, qpos_BL, kpos_BS)
+    if factors is not None:  # the factors of every position, not of the probed pair
+      factors = kwargs["bias_factors_fn"](qpos_BL, kpos_BS)
+  else:
+    bias_BHLS = _positional_bias(kwargs.get("bias_fn"), qpos_BL, kpos_BS)
   _refuse(kernel, fused_misfit(kernel, **_features(kwargs, bias_BHLS, factors)))
   L, S = q_BLHK.shape[1], k_BSGK.shape[1]
   if S != L:
     raise ValueError(f"model.attention_impl={kernel!r} runs self-attention; got L={L}, S={S}")
-  return bias_BHLS, factors
+  return factors if kernel == "splash" else bias_BHLS
 
 
 def splash_attention(q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS, **kwargs):
   """Self-attention through Pallas splash attention; args and returns as `dense_attention`.
   A positional bias with query and key factors and FoX's key bias go folded into q and k
   (`bias_factors.py`)."""
-  _, factors = _checked_pallas_call("splash", q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS, kwargs)
+  factors = _checked_pallas_call("splash", q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS, kwargs)
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
 
   B, L, H, K = q_BLHK.shape
@@ -381,9 +395,7 @@ def flash_bias_attention(q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS, **kwargs):
   (causal, windows, global tokens, all on positions) forbids a pair; with no bias and no window
   there is none, and the kernel's causal flag (on indices, as splash's masks) and segment ids
   mask alone."""
-  bias_BHLS, _ = _checked_pallas_call(
-    "flash_bias", q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS, kwargs
-  )
+  bias_BHLS = _checked_pallas_call("flash_bias", q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS, kwargs)
   from jax.experimental.pallas.ops.tpu import flash_attention as flash
 
   B, L, H, K = q_BLHK.shape

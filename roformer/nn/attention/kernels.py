@@ -427,14 +427,7 @@ def auto_attention(q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS, *, block: int = 512
   L, S = q_BLHK.shape[1], k_BSGK.shape[1]
   platform = fused.target_platform()
   if platform in ("tpu", "gpu") and L == S:
-    # Whether the encoding adds a bias and has its factors, from one (query, key) pair: no
-    # [L, S] array is traced.
-    pair = (qpos_BL[:, :1], kpos_BS[:, :1])
-    probe = factors = None
-    if (bias_fn := kwargs.get("bias_fn")) is not None:
-      probe = bias_fn(*pair)
-    if probe is not None and (factors_fn := kwargs.get("bias_factors_fn")) is not None:
-      factors = factors_fn(*pair)
+    probe, factors = fused.probe_bias(kwargs, qpos_BL, kpos_BS)
     if kernel := fused.pick_fused(q_BLHK, kwargs, probe, platform, factors):
       return fused.FUSED[kernel](q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS, block=block, **kwargs)
   small = L * S <= block * block
