@@ -1,5 +1,6 @@
 """The model's parameterised building blocks from its config: embeddings, dense layers, norms."""
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -57,3 +58,55 @@ def tokens(x_BL):
   it first copies both into a transposed layout, which costs as much as the GEMM itself.
   """
   return x_BL.reshape(-1, *x_BL.shape[2:])
+
+
+def stacked_dense(x_ND, layers):
+  """The outputs of dense layers that read the same input [N, D], as one GEMM.
+
+  Each layer (an nnx.Linear with kernel [D, F] and bias [F], all of one shape) gives
+  x @ kernel + bias, as it would alone. Their kernels are stacked on a new last axis, [D, F, n],
+  and merged into one [D, F n] matrix, so the product is one GEMM: its backward pass is one GEMM
+  for the input's gradient (instead of n GEMMs and the sum of their outputs) and one for the
+  kernels', over the layers' output gradients written once, interleaved. Each parameter keeps
+  its own shape, name and sharding: the new axis is the minor one, so merging it into F keeps
+  F's sharding and the SPMD partitioner moves no data for it.
+  """
+  first = layers[0]
+  dtype = first.dtype or x_ND.dtype
+  kernel_DFC = jnp.stack([layer.kernel[...] for layer in layers], axis=-1).astype(dtype)
+  D, F, C = kernel_DFC.shape
+  y_NFC = jnp.dot(x_ND.astype(dtype), kernel_DFC.reshape(D, F * C)).reshape(-1, F, C)
+  if first.bias is not None:
+    bias_FC = jnp.stack([layer.bias[...] for layer in layers], axis=-1).astype(dtype)
+    y_NFC = y_NFC + bias_FC[None]
+  # split (not indexing): its transpose writes the output gradients in one buffer.
+  return tuple(y_NF1[..., 0] for y_NF1 in jnp.split(y_NFC, C, axis=-1))
+
+
+@jax.custom_vjp
+def swiglu(gate_NF, up_NF):
+  """silu(gate) * up, SwiGLU's gated activation, with a hand-written backward pass.
+
+  Autodiff of jax.nn.silu keeps sigmoid(gate) and silu(gate) and writes each product of the
+  forward and backward passes as a pass of its own over [N, F]; here the forward pass is one
+  pass that keeps only its inputs, and the backward pass one that recomputes the sigmoid:
+  d gate = dh up s (1 + gate (1 - s)), d up = dh gate s, with s = sigmoid(gate).
+  """
+  return jax.nn.silu(gate_NF) * up_NF
+
+
+def _swiglu_fwd(gate_NF, up_NF):
+  return swiglu(gate_NF, up_NF), (gate_NF, up_NF)
+
+
+def _swiglu_bwd(residuals, dh_NF):
+  # Behind a barrier, so XLA cannot merge this pass's sigmoid with the forward pass's (which
+  # would make the forward pass write it out for the backward pass to read).
+  gate_NF, up_NF = jax.lax.optimization_barrier(residuals)
+  s_NF = jax.nn.sigmoid(gate_NF)
+  silu_NF = gate_NF * s_NF
+  dgate_NF = dh_NF * up_NF * (s_NF + silu_NF * (1 - s_NF))
+  return dgate_NF.astype(gate_NF.dtype), (dh_NF * silu_NF).astype(up_NF.dtype)
+
+
+swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)

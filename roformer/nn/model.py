@@ -22,7 +22,7 @@ from roformer.nn.config import (
   resolve_head_dim,
   resolve_num_kv_heads,
 )
-from roformer.nn.layers import DTYPES
+from roformer.nn.layers import DTYPES, stacked_dense, swiglu
 from roformer.nn.layers import embed as _embed
 from roformer.nn.layers import linear as _linear
 from roformer.nn.layers import norm as _norm
@@ -373,13 +373,13 @@ class Mlp(nnx.Module):
     self.gate = _linear(cfg, D, F, ("embed", "mlp"), rngs) if cfg.activation == "swiglu" else None
     self.down = _linear(cfg, F, D, ("mlp", "embed"), rngs)
 
-  def __call__(self, x_BLD):
-    h_BLF = self.up(x_BLD)
+  def __call__(self, x_ND):
+    """x [N, D] (the tokens as one axis) -> [N, D]."""
     if self.gate is None:
-      h_BLF = jax.nn.gelu(h_BLF, approximate=False)
-    else:
-      h_BLF = jax.nn.silu(self.gate(x_BLD)) * h_BLF
-    return self.down(h_BLF)
+      return self.down(jax.nn.gelu(self.up(x_ND), approximate=False))
+    # gate and up as one GEMM (`stacked_dense`), the gated activation in one pass (`swiglu`).
+    gate_NF, up_NF = stacked_dense(x_ND, (self.gate, self.up))
+    return self.down(swiglu(gate_NF, up_NF))
 
 
 # ---- Helpers ----

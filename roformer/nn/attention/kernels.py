@@ -9,6 +9,7 @@ every output is as wide as the values.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -106,11 +107,18 @@ def dense_attention(
   spans = [(0, L, S)]
   if causal and S == L and content_bias_fn is None and (dropout_key is None or not dropout_rate):
     spans = causal_query_blocks(L)
-  o_blocks = []
+  # Causal blocks with no other mask: a block's keys before its first query are all allowed
+  # (by the assumption `causal_query_blocks` states), so its mask covers only the keys from its
+  # first query on, and only those logits are written twice.
+  diagonal = len(spans) > 1 and qseg_BL is None and kseg_BS is None and not window
+  diagonal = diagonal and not global_tokens and pieces_fn is None
+  o_blocks, blocks = [], []
   for start, end, keys in spans:
     qpos_BT, kpos_BE = qpos_BL[:, start:end], kpos_BS[:, :keys]
     mask_BTE = None
-    if masked:
+    if diagonal:
+      mask_BTE = attention_mask(qpos_BT, kpos_BS[:, start:keys], causal=True)
+    elif masked:
       mask_BTE = attention_mask(
         qpos_BT, kpos_BE, None if qseg_BL is None else qseg_BL[:, start:end],
         None if kseg_BS is None else kseg_BS[:, :keys], causal=causal, window=window,
@@ -122,6 +130,9 @@ def dense_attention(
     if content_bias_fn is not None:  # one span: the whole [L, S]
       content_BHLS = content_bias_fn(q_BLHK, k_BSGK, mask_BTE)
       bias_BHTE = content_BHLS if bias_BHTE is None else bias_BHTE + content_BHLS
+    if pieces_fn is None and (dropout_key is None or not dropout_rate):
+      blocks.append((mask_BTE, _grouped_bias(bias_BHTE, B, G)))
+      continue
     if pieces_fn is None:
       o_BGRTK = _softmax_attention(
         q_BGRLK[:, :, :, start:end], k_BGSK[:, :, :keys], v_BGSK[:, :, :keys], mask_BTE,
@@ -137,7 +148,11 @@ def dense_attention(
         s_BGRTE, v_BGSK[:, :, :keys], mask_BTE, sink_GR, dropout_rate, dropout_key
       )
     o_blocks.append(o_BGRTK)
-  o_BGRLK = o_blocks[0] if len(o_blocks) == 1 else jnp.concatenate(o_blocks, axis=3)
+  if blocks:
+    masks, biases = zip(*blocks, strict=True)
+    o_BGRLK = _attend_blocks(q_BGRLK, k_BGSK, v_BGSK, masks, biases, sink_GR, tuple(spans))
+  else:
+    o_BGRLK = o_blocks[0] if len(o_blocks) == 1 else jnp.concatenate(o_blocks, axis=3)
   return o_BGRLK.transpose(0, 3, 1, 2, 4).reshape(B, L, H, V).astype(q_BLHK.dtype)
 
 
@@ -168,12 +183,8 @@ def _softmax_attention(
 ):
   """softmax(q k / sqrt(K) + bias, masked) v over heads-first operands: [B, G, R, L, K] (fp32
   scores and softmax), with the sink logits [G, R] (or None) in every row's denominator."""
-  B, G, R, L, K = q_BGRLK.shape
-  S = k_BGSK.shape[2]
-  bias_BGRLS = None
-  if bias_BHLS is not None:  # [B or 1, H, L, S] -> [B, G, R, L, S]
-    bias_BGRLS = bias_BHLS.astype(jnp.float32).reshape(-1, G, R, L, S)
-    bias_BGRLS = jnp.broadcast_to(bias_BGRLS, (B, G, R, L, S))
+  B, G = q_BGRLK.shape[:2]
+  bias_BGRLS = _grouped_bias(bias_BHLS, B, G)
   if dropout_key is None or not dropout_rate:
     return _attend(q_BGRLK, k_BGSK, v_BGSK, mask_BLS, bias_BGRLS, sink_GR)
   s_BGRLS = _logits(q_BGRLK, k_BGSK, None, bias_BGRLS)
@@ -203,6 +214,15 @@ def _probabilities(s_BGRLS, sink_GR):
   return e_BGRLS / (e_BGRLS.sum(axis=-1, keepdims=True) + jnp.exp(sink_1GR11 - m_BGRL1))
 
 
+def _grouped_bias(bias_BHLS, B, G):
+  """A bias [B or 1, H, L, S] as float32 [B, G, R, L, S] (None stays None)."""
+  if bias_BHLS is None:
+    return None
+  _, H, L, S = bias_BHLS.shape
+  bias_BGRLS = bias_BHLS.astype(jnp.float32).reshape(-1, G, H // G, L, S)
+  return jnp.broadcast_to(bias_BGRLS, (B, G, H // G, L, S))
+
+
 def _rows_einsum(spec, x_BGRL_, y):
   """float32 `jnp.einsum(spec, x, y)` with x's (R, L) merged into one axis M (of x and of the
   output): one free axis per operand, so neither the product nor its transposes need a copy."""
@@ -218,8 +238,19 @@ def _logits(q_BGRLK, k_BGSK, mask_BLS, bias_BGRLS):
   if bias_BGRLS is not None:
     s_BGRLS = s_BGRLS + bias_BGRLS
   if mask_BLS is not None:
-    s_BGRLS = jnp.where(mask_BLS[:, None, None], s_BGRLS, NEG)
+    s_BGRLS = _masked(s_BGRLS, mask_BLS)
   return s_BGRLS
+
+
+def _masked(s_BGRLS, mask_BLT):
+  """NEG where the mask [B, L, T] disallows a key. It covers the last T keys of the logits
+  [..., L, S], whose first S - T keys are all allowed; with T < S only those T columns are
+  rewritten (in place)."""
+  T, S = mask_BLT.shape[-1], s_BGRLS.shape[-1]
+  if T == S:
+    return jnp.where(mask_BLT[:, None, None], s_BGRLS, NEG)
+  tail_BGRLT = jnp.where(mask_BLT[:, None, None], s_BGRLS[..., S - T :], NEG)
+  return jax.lax.dynamic_update_slice_in_dim(s_BGRLS, tail_BGRLT, S - T, axis=-1)
 
 
 @jax.custom_vjp
@@ -295,6 +326,55 @@ def _attend_bwd(residuals, do_BGRLK):
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _attend_blocks(q_BGRLK, k_BGSK, v_BGSK, masks, biases, sink_GR, spans):
+  """`_attend` over causal query blocks (`causal_query_blocks`): the rows [start, end) of q
+  over the keys [0, keys) with their mask and bias (`_masked`), outputs joined along L.
+
+  One custom_vjp for all blocks so that the backward pass adds each block's key and value
+  gradients into their prefix of one [S, K] buffer in place, instead of padding every block's
+  to S and summing the padded copies (what autodiff of the key slices gives)."""
+  return _attend_blocks_fwd(q_BGRLK, k_BGSK, v_BGSK, masks, biases, sink_GR, spans)[0]
+
+
+def _attend_blocks_fwd(q_BGRLK, k_BGSK, v_BGSK, masks, biases, sink_GR, spans):
+  outputs, residuals = [], []
+  for (start, end, keys), mask_BTE, bias_BGRTE in zip(spans, masks, biases, strict=True):
+    o_BGRTK, res = _attend_fwd(
+      q_BGRLK[:, :, :, start:end], k_BGSK[:, :, :keys], v_BGSK[:, :, :keys], mask_BTE,
+      bias_BGRTE, sink_GR,
+    )  # fmt: skip
+    outputs.append(o_BGRTK)
+    residuals.append(res)
+  return jnp.concatenate(outputs, axis=3), residuals
+
+
+def _attend_blocks_bwd(spans, residuals, do_BGRLK):
+  dqs, dbiases, dk_BGSK, dv_BGSK, dsink_GR = [], [], None, None, None
+  # The widest block first: its key and value gradients start the [S, K] buffers.
+  for i in sorted(range(len(spans)), key=lambda i: -spans[i][2]):
+    start, end, keys = spans[i]
+    dq_BGRTK, dk_BGEK, dv_BGEK, _, dbias, dsink = _attend_bwd(
+      residuals[i], do_BGRLK[:, :, :, start:end]
+    )
+    dqs.append((start, dq_BGRTK))
+    dbiases.append((i, dbias))
+    if dk_BGSK is None:
+      dk_BGSK, dv_BGSK = dk_BGEK, dv_BGEK
+    else:
+      dk_BGSK = dk_BGSK.at[:, :, :keys].add(dk_BGEK)
+      dv_BGSK = dv_BGSK.at[:, :, :keys].add(dv_BGEK)
+    if dsink is not None:
+      dsink_GR = dsink if dsink_GR is None else dsink_GR + dsink
+  dq_BGRLK = jnp.concatenate([dq for _, dq in sorted(dqs, key=lambda t: t[0])], axis=3)
+  dbiases = tuple(dbias for _, dbias in sorted(dbiases, key=lambda t: t[0]))
+  masks = tuple(None for _ in spans)
+  return dq_BGRLK, dk_BGSK, dv_BGSK, masks, dbiases, dsink_GR
+
+
+_attend_blocks.defvjp(_attend_blocks_fwd, _attend_blocks_bwd)
 
 
 def chunked_attention(

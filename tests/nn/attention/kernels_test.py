@@ -356,3 +356,43 @@ def test_hand_written_softmax_backward_matches_autodiff_with_bias_and_masked_row
   want = jax.grad(loss(reference), argnums=(0, 1, 2, 3))
   for g, w_ in zip(got(*args), want(*args), strict=True):
     np.testing.assert_allclose(g, w_, atol=1e-5)
+
+
+def test_causal_blocks_without_segments_mask_only_their_diagonal_and_give_unsplit_gradients(
+  monkeypatch,
+):
+  # No segments, no window: each block's mask covers the keys from its first query on; the
+  # gradients of q, k, v, a learned bias and the sink logits equal the one-block kernel's.
+  q, k, v = _qkv()
+  pos = _positions()
+  w = _normal((H,), 30)
+  sink = _normal((H,), 31)
+  out_w = _normal((B, L, H, K), 32)
+
+  def grads():
+    def loss(q, k, v, w, sink):
+      def bias_fn(qpos, kpos):
+        return w[None, :, None, None] * _position_bias(qpos, kpos)
+
+      o = attention.dense_attention(q, k, v, pos, pos, causal=True, bias_fn=bias_fn, sink_H=sink)
+      return jnp.sum(jnp.sin(o) * out_w)
+
+    return jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))(q, k, v, w, sink)
+
+  want_loss, want = grads()  # L = 37: one block
+  monkeypatch.setattr(attention, "CAUSAL_QUERY_BLOCK", 8)  # 5 blocks
+  got_loss, got = grads()
+  np.testing.assert_allclose(got_loss, want_loss, atol=1e-5)  # a sum of 2,368 terms
+  for g, w_ in zip(got, want, strict=True):
+    np.testing.assert_allclose(g, w_, atol=1e-5)
+  # Negative control: with the blocks' masks dropped, the later keys count and the loss moves.
+  monkeypatch.setattr(attention, "_masked", lambda s, mask: s)
+  assert abs(grads()[0] - want_loss) > 1e-2
+
+
+def test_masked_rewrites_only_the_last_keys():
+  s = _normal((B, G, 2, 4, 7), 33)
+  mask = jnp.asarray(np.random.default_rng(34).random((B, 4, 3)) < 0.5)
+  got = attention._masked(s, mask)
+  full = jnp.concatenate([jnp.ones((B, 4, 4), bool), mask], axis=-1)
+  np.testing.assert_array_equal(got, jnp.where(full[:, None, None], s, attention.NEG))
