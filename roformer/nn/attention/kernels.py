@@ -275,13 +275,25 @@ def _attend(q_BGRLK, k_BGSK, v_BGSK, mask_BLS, bias_BGRLS, sink_GR=None):
 
 
 def _attend_fwd(q_BGRLK, k_BGSK, v_BGSK, mask_BLS, bias_BGRLS, sink_GR):
-  s_BGRLS = _logits(q_BGRLK, k_BGSK, mask_BLS, bias_BGRLS)
-  m_BGRL1 = s_BGRLS.max(axis=-1, keepdims=True)
+  scale = 1.0 / math.sqrt(q_BGRLK.shape[-1])
+  if bias_BGRLS is None:
+    # The logits unscaled: the scale enters the exponentials' pass, and the row max as a
+    # positive factor (rounding is monotonic, so max(s) * scale is max(s * scale) exactly), so
+    # no pass writes the scaled [L, S] logits. A masked logit is NEG * scale, still exp -> 0.
+    s_BGRLS = _rows_einsum("bgmk,bgsk->bgms", q_BGRLK, k_BGSK)
+    if mask_BLS is not None:
+      s_BGRLS = _masked(s_BGRLS, mask_BLS)
+  else:
+    s_BGRLS, scale = _logits(q_BGRLK, k_BGSK, mask_BLS, bias_BGRLS), 1.0
+  max_BGRL1 = s_BGRLS.max(axis=-1, keepdims=True)
+  m_BGRL1 = max_BGRL1 * scale
   if sink_GR is not None:
     m_BGRL1 = jnp.maximum(m_BGRL1, sink_GR[None, :, :, None, None])
-  # A row whose every key is masked (its max is NEG) subtracts 0 instead: e = exp(NEG) = 0,
-  # so it gives zero output and zero gradients (a per-row fix, not a pass over [L, S]).
-  e_BGRLS = jnp.exp(s_BGRLS - jnp.where(m_BGRL1 > NEG, m_BGRL1, 0.0))
+  else:
+    # A row whose every key is masked (its max is NEG) subtracts 0 instead: e = exp(NEG) = 0,
+    # so it gives zero output and zero gradients (a per-row fix, not a pass over [L, S]).
+    m_BGRL1 = jnp.where(max_BGRL1 > NEG, m_BGRL1, 0.0)
+  e_BGRLS = jnp.exp(s_BGRLS * scale - m_BGRL1)
   l_BGRL = e_BGRLS.sum(axis=-1)
   if sink_GR is not None:  # with a sink, a row with every key masked has l = e_sink = 1, o = 0
     esink_BGRL = jnp.exp(sink_GR[None, :, :, None] - m_BGRL1[..., 0])
