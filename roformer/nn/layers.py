@@ -72,7 +72,7 @@ def stacked_dense(x_ND, layers):
   F's sharding and the SPMD partitioner moves no data for it.
   """
   first = layers[0]
-  dtype = first.dtype or x_ND.dtype
+  dtype = first.dtype or jnp.result_type(x_ND, first.kernel[...])  # nnx.Linear's promotion
   kernel_DFC = jnp.stack([layer.kernel[...] for layer in layers], axis=-1).astype(dtype)
   D, F, C = kernel_DFC.shape
   y_NFC = jnp.dot(x_ND.astype(dtype), kernel_DFC.reshape(D, F * C)).reshape(-1, F, C)

@@ -133,11 +133,10 @@ def dense_attention(
     if pieces_fn is None and (dropout_key is None or not dropout_rate):
       blocks.append((mask_BTE, _grouped_bias(bias_BHTE, B, G)))
       continue
-    if pieces_fn is None:
-      o_BGRTK = _softmax_attention(
-        q_BGRLK[:, :, :, start:end], k_BGSK[:, :, :keys], v_BGSK[:, :, :keys], mask_BTE,
-        bias_BHTE, sink_GR, dropout_rate, dropout_key,
-      )  # fmt: skip
+    if pieces_fn is None:  # with attention dropout (one span)
+      o_BGRTK = _dropout_attention(
+        q_BGRLK, k_BGSK, v_BGSK, mask_BTE, bias_BHTE, sink_GR, dropout_rate, dropout_key
+      )
     else:
       s_BGRTE, covered_BTE = piecewise_scores(
         q_BLHK[:, start:end], k_BSGK[:, :keys], qpos_BT, kpos_BE, bias_BHTE,
@@ -169,7 +168,9 @@ def causal_query_blocks(length: int) -> list[tuple[int, int, int]]:
   The keys after a block's last query are skipped by index, under the assumption `banded.py`
   states: within a segment positions advance by at least one per token, so a key at a later
   index is at a later position (masked by causality) or in another segment (masked anyway).
-  Inside each block `attention_mask` decides exactly.
+  Inside each block `attention_mask` decides exactly, except that with no segment ids, window
+  or global tokens `dense_attention` masks only the keys from the block's first query on: by
+  the same assumption (queries and keys at the same positions) the keys before it are earlier.
   """
   n = min(CAUSAL_MAX_BLOCKS, -(-length // CAUSAL_QUERY_BLOCK))
   if n < 2:
@@ -178,15 +179,14 @@ def causal_query_blocks(length: int) -> list[tuple[int, int, int]]:
   return [(s, min(s + size, length), min(s + size, length)) for s in range(0, length, size)]
 
 
-def _softmax_attention(
+def _dropout_attention(
   q_BGRLK, k_BGSK, v_BGSK, mask_BLS, bias_BHLS, sink_GR, dropout_rate, dropout_key
 ):
-  """softmax(q k / sqrt(K) + bias, masked) v over heads-first operands: [B, G, R, L, K] (fp32
-  scores and softmax), with the sink logits [G, R] (or None) in every row's denominator."""
+  """softmax(q k / sqrt(K) + bias, masked) v with attention dropout over heads-first operands:
+  [B, G, R, L, K] (fp32 scores and softmax), with the sink logits [G, R] (or None) in every
+  row's denominator. Without dropout the kernels run `_attend_blocks`."""
   B, G = q_BGRLK.shape[:2]
   bias_BGRLS = _grouped_bias(bias_BHLS, B, G)
-  if dropout_key is None or not dropout_rate:
-    return _attend(q_BGRLK, k_BGSK, v_BGSK, mask_BLS, bias_BGRLS, sink_GR)
   s_BGRLS = _logits(q_BGRLK, k_BGSK, None, bias_BGRLS)
   return _softmax_values(s_BGRLS, v_BGSK, mask_BLS, sink_GR, dropout_rate, dropout_key)
 
