@@ -199,7 +199,7 @@ def _softmax_values(s_BGRLS, v_BGSK, mask_BLS, sink_GR, dropout_rate, dropout_ke
     s_BGRLS = jnp.where(mask_BLS[:, None, None], s_BGRLS, NEG)
   p_BGRLS = dropout(_probabilities(s_BGRLS, sink_GR), dropout_rate, dropout_key)
   o_BGRLK = _rows_einsum("bgms,bgsk->bgmk", p_BGRLS.astype(v_BGSK.dtype), v_BGSK)
-  if mask_BLS is not None:  # a query with no allowed key gets zeros (as `_attend` gives)
+  if mask_BLS is not None:  # a query with no allowed key gets zeros (as `_attend_blocks` gives)
     o_BGRLK = jnp.where(mask_BLS.any(axis=-1)[:, None, None, :, None], o_BGRLK, 0.0)
   return o_BGRLK
 
@@ -251,27 +251,6 @@ def _masked(s_BGRLS, mask_BLT):
     return jnp.where(mask_BLT[:, None, None], s_BGRLS, NEG)
   tail_BGRLT = jnp.where(mask_BLT[:, None, None], s_BGRLS[..., S - T :], NEG)
   return jax.lax.dynamic_update_slice_in_dim(s_BGRLS, tail_BGRLT, S - T, axis=-1)
-
-
-@jax.custom_vjp
-def _attend(q_BGRLK, k_BGSK, v_BGSK, mask_BLS, bias_BGRLS, sink_GR=None):
-  """softmax attention without dropout, with a hand-written backward pass.
-
-  The forward pass normalises after the probability-value product (o = (e v) / l with
-  e = exp(logits - max) and l its row sum), so the probabilities are never written; the
-  backward pass uses the output (sum_s p dp = do . o) instead of a second reduction over the
-  [L, S] scores, and needs no mask (e is exactly 0 where masked). Equal to jax.nn.softmax's
-  forward and gradients to float32 rounding, except that a row with every key masked gives
-  zeros (as `dense_attention` returns for it) rather than uniform weights.
-
-  With sink logits sink_GR (`sinks.py`), the row max also covers the sink and l gains
-  exp(sink - max), a key with no value. Its gradient: o = (e v) / l depends on the sink only
-  through l, d l / d sink = exp(sink - max), so d o / d sink = -o p_sink with
-  p_sink = exp(sink - max) / l, and d loss / d sink = -sum over batch and rows of
-  p_sink (do . o), the same do . o that the logits' gradient uses. The logits' gradient keeps
-  its form, p (dp - do . o): the sink adds no term to sum_s p dp, having no value.
-  """
-  return _attend_fwd(q_BGRLK, k_BGSK, v_BGSK, mask_BLS, bias_BGRLS, sink_GR)[0]
 
 
 def _attend_fwd(q_BGRLK, k_BGSK, v_BGSK, mask_BLS, bias_BGRLS, sink_GR):
@@ -337,17 +316,31 @@ def _attend_bwd(residuals, do_BGRLK):
   )  # fmt: skip
 
 
-_attend.defvjp(_attend_fwd, _attend_bwd)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
 def _attend_blocks(q_BGRLK, k_BGSK, v_BGSK, masks, biases, sink_GR, spans):
-  """`_attend` over causal query blocks (`causal_query_blocks`): the rows [start, end) of q
-  over the keys [0, keys) with their mask and bias (`_masked`), outputs joined along L.
+  """softmax attention without dropout over query blocks, with a hand-written backward pass.
 
-  One custom_vjp for all blocks so that the backward pass adds each block's key and value
-  gradients into their prefix of one [S, K] buffer in place, instead of padding every block's
-  to S and summing the padded copies (what autodiff of the key slices gives)."""
+  `spans` are (start, end, keys) in order, the last over every key (`causal_query_blocks`, or
+  one span (0, L, S)): the rows [start, end) of q attend to the keys [0, keys) with their mask
+  and bias (`_masked`); the outputs are joined along L. One custom_vjp for all blocks, so the
+  backward pass adds each block's key and value gradients into their prefix of one [S, K]
+  buffer in place, instead of padding every block's to S and summing the padded copies (what
+  autodiff of the key slices gives).
+
+  The forward pass normalises after the probability-value product (o = (e v) / l with
+  e = exp(logits - max) and l its row sum), so the probabilities are never written; the
+  backward pass uses the output (sum_s p dp = do . o) instead of a second reduction over the
+  [L, S] scores, and needs no mask (e is exactly 0 where masked). Equal to jax.nn.softmax's
+  forward and gradients to float32 rounding, except that a row with every key masked gives
+  zeros (as `dense_attention` returns for it) rather than uniform weights.
+
+  With sink logits sink_GR (`sinks.py`), the row max also covers the sink and l gains
+  exp(sink - max), a key with no value. Its gradient: o = (e v) / l depends on the sink only
+  through l, d l / d sink = exp(sink - max), so d o / d sink = -o p_sink with
+  p_sink = exp(sink - max) / l, and d loss / d sink = -sum over batch and rows of
+  p_sink (do . o), the same do . o that the logits' gradient uses. The logits' gradient keeps
+  its form, p (dp - do . o): the sink adds no term to sum_s p dp, having no value.
+  """
   return _attend_blocks_fwd(q_BGRLK, k_BGSK, v_BGSK, masks, biases, sink_GR, spans)[0]
 
 
@@ -364,15 +357,14 @@ def _attend_blocks_fwd(q_BGRLK, k_BGSK, v_BGSK, masks, biases, sink_GR, spans):
 
 
 def _attend_blocks_bwd(spans, residuals, do_BGRLK):
-  dqs, dbiases, dk_BGSK, dv_BGSK, dsink_GR = [], [], None, None, None
-  # The widest block first: its key and value gradients start the [S, K] buffers.
-  for i in sorted(range(len(spans)), key=lambda i: -spans[i][2]):
+  n = len(spans)
+  dq_blocks, dbiases, dk_BGSK, dv_BGSK, dsink_GR = [None] * n, [None] * n, None, None, None
+  # The last block first: its key and value gradients, over every key, start the [S, K] buffers.
+  for i in reversed(range(n)):
     start, end, keys = spans[i]
-    dq_BGRTK, dk_BGEK, dv_BGEK, _, dbias, dsink = _attend_bwd(
+    dq_blocks[i], dk_BGEK, dv_BGEK, _, dbiases[i], dsink = _attend_bwd(
       residuals[i], do_BGRLK[:, :, :, start:end]
     )
-    dqs.append((start, dq_BGRTK))
-    dbiases.append((i, dbias))
     if dk_BGSK is None:
       dk_BGSK, dv_BGSK = dk_BGEK, dv_BGEK
     else:
@@ -380,10 +372,8 @@ def _attend_blocks_bwd(spans, residuals, do_BGRLK):
       dv_BGSK = dv_BGSK.at[:, :, :keys].add(dv_BGEK)
     if dsink is not None:
       dsink_GR = dsink if dsink_GR is None else dsink_GR + dsink
-  dq_BGRLK = jnp.concatenate([dq for _, dq in sorted(dqs, key=lambda t: t[0])], axis=3)
-  dbiases = tuple(dbias for _, dbias in sorted(dbiases, key=lambda t: t[0]))
-  masks = tuple(None for _ in spans)
-  return dq_BGRLK, dk_BGSK, dv_BGSK, masks, dbiases, dsink_GR
+  dq_BGRLK = jnp.concatenate(dq_blocks, axis=3)
+  return dq_BGRLK, dk_BGSK, dv_BGSK, (None,) * n, tuple(dbiases), dsink_GR
 
 
 _attend_blocks.defvjp(_attend_blocks_fwd, _attend_blocks_bwd)
