@@ -9,13 +9,11 @@ every output is as wide as the values.
 
 from __future__ import annotations
 
-import functools
-import math
-
 import jax
 import jax.numpy as jnp
 
 from roformer.nn.attention import banded, fused, sinks
+from roformer.nn.attention.blocks import attend_pairs, attend_spans, logits, pairs, rows_einsum
 from roformer.nn.attention.piecewise import pieces_cover, piecewise_scores
 from roformer.nn.attention.primitives import (
   NEG,
@@ -67,7 +65,9 @@ def dense_attention(
   Causal self-attention (S = L, no content bias, no attention dropout) runs in query blocks
   (`causal_query_blocks`), each over the keys up to its last query: the keys after it are masked
   for every query of the block, so their scores are not computed (5/8 of the [L, S] work at
-  L = 512). The result equals the unsplit kernel's to float32 rounding.
+  L = 512). The result equals the unsplit kernel's to float32 rounding. With no other mask
+  (segments, window, global tokens, piecewise positions) and equal blocks, the blocks run as
+  pairs of query and key blocks (`blocks.attend_pairs`), so no block's keys are copied.
 
   Args:
     q_BLHK: queries (already rotated), any float dtype.
@@ -98,11 +98,6 @@ def dense_attention(
   S, G, V = k_BSGK.shape[1], k_BSGK.shape[2], v_BSGK.shape[3]
   # Bidirectional attention over one segment needs no mask at all.
   masked = qseg_BL is not None or causal or window > 0 or pieces_fn is not None
-  # Heads first: every product is a GEMM batched over (B, G) with one contracting axis, which
-  # XLA:CPU runs on the [L, S] operands in place; with the heads after the positions it copies
-  # them into a transposed layout, in the forward pass and again in the backward pass.
-  q_BGRLK = q_BLHK.reshape(B, L, G, H // G, K).transpose(0, 2, 3, 1, 4)
-  k_BGSK, v_BGSK = k_BSGK.transpose(0, 2, 1, 3), v_BSGK.transpose(0, 2, 1, 3)
   sink_GR = sinks.grouped(sink_H, G)
   spans = [(0, L, S)]
   if causal and S == L and content_bias_fn is None and (dropout_key is None or not dropout_rate):
@@ -112,6 +107,15 @@ def dense_attention(
   # first query on, and only those logits are written twice.
   diagonal = len(spans) > 1 and qseg_BL is None and kseg_BS is None and not window
   diagonal = diagonal and not global_tokens and pieces_fn is None
+  if diagonal and L % len(spans) == 0:  # equal blocks: pairs of blocks, no key prefix copied
+    return _causal_pairs(
+      q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS, len(spans), bias_fn, key_bias_BSH, sink_GR
+    )
+  # Heads first: every product is a GEMM batched over (B, G) with one contracting axis, which
+  # XLA:CPU runs on the [L, S] operands in place; with the heads after the positions it copies
+  # them into a transposed layout, in the forward pass and again in the backward pass.
+  q_BGRLK = q_BLHK.reshape(B, L, G, H // G, K).transpose(0, 2, 3, 1, 4)
+  k_BGSK, v_BGSK = k_BSGK.transpose(0, 2, 1, 3), v_BSGK.transpose(0, 2, 1, 3)
   o_blocks, blocks = [], []
   for start, end, keys in spans:
     qpos_BT, kpos_BE = qpos_BL[:, start:end], kpos_BS[:, :keys]
@@ -149,10 +153,32 @@ def dense_attention(
     o_blocks.append(o_BGRTK)
   if blocks:
     masks, biases = zip(*blocks, strict=True)
-    o_BGRLK = _attend_blocks(q_BGRLK, k_BGSK, v_BGSK, masks, biases, sink_GR, tuple(spans))
+    o_BGRLK = attend_spans(q_BGRLK, k_BGSK, v_BGSK, masks, biases, sink_GR, tuple(spans))
   else:
     o_BGRLK = o_blocks[0] if len(o_blocks) == 1 else jnp.concatenate(o_blocks, axis=3)
   return o_BGRLK.transpose(0, 3, 1, 2, 4).reshape(B, L, H, V).astype(q_BLHK.dtype)
+
+
+def _causal_pairs(q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS, n, bias_fn, key_bias_BSH, sink_GR):
+  """Causal self-attention in n equal blocks through `blocks.attend_pairs`: q, k and v laid out
+  [N, B, G, (R,) T, K] in one transpose each (every block a contiguous view), a mask on each
+  diagonal pair (the keys of earlier blocks are earlier, as `causal_query_blocks` assumes) and
+  each pair's bias from the pair's positions."""
+  B, L, H, K = q_BLHK.shape
+  G, V, T = k_BSGK.shape[2], v_BSGK.shape[3], L // n
+  q_NBGRTK = q_BLHK.reshape(B, n, T, G, H // G, K).transpose(1, 0, 3, 4, 2, 5)
+  k_NBGTK = k_BSGK.reshape(B, n, T, G, K).transpose(1, 0, 3, 2, 4)
+  v_NBGTV = v_BSGK.reshape(B, n, T, G, V).transpose(1, 0, 3, 2, 4)
+  qpos_NBT = [qpos_BL[:, i * T : (i + 1) * T] for i in range(n)]
+  kpos_NBT = [kpos_BS[:, i * T : (i + 1) * T] for i in range(n)]
+  masks = tuple(attention_mask(qpos_NBT[i], kpos_NBT[i], causal=True) for i in range(n))
+  biases = []
+  for i, j in pairs(n):
+    bias_BHTT = None if bias_fn is None else bias_fn(qpos_NBT[i], kpos_NBT[j])
+    kbias_BTH = None if key_bias_BSH is None else key_bias_BSH[:, j * T : (j + 1) * T]
+    biases.append(_grouped_bias(add_key_bias(bias_BHTT, kbias_BTH, T), B, G))
+  o_NBGRTV = attend_pairs(q_NBGRTK, k_NBGTK, v_NBGTV, masks, tuple(biases), sink_GR)
+  return o_NBGRTV.transpose(1, 0, 4, 2, 3, 5).reshape(B, L, H, V).astype(q_BLHK.dtype)
 
 
 # Rows per query block of causal self-attention in the dense kernel: GEMMs of 128 rows still run
@@ -184,10 +210,10 @@ def _dropout_attention(
 ):
   """softmax(q k / sqrt(K) + bias, masked) v with attention dropout over heads-first operands:
   [B, G, R, L, K] (fp32 scores and softmax), with the sink logits [G, R] (or None) in every
-  row's denominator. Without dropout the kernels run `_attend_blocks`."""
+  row's denominator. Without dropout the kernels run `blocks.attend_spans`."""
   B, G = q_BGRLK.shape[:2]
   bias_BGRLS = _grouped_bias(bias_BHLS, B, G)
-  s_BGRLS = _logits(q_BGRLK, k_BGSK, None, bias_BGRLS)
+  s_BGRLS = logits(q_BGRLK, k_BGSK, None, bias_BGRLS)
   return _softmax_values(s_BGRLS, v_BGSK, mask_BLS, sink_GR, dropout_rate, dropout_key)
 
 
@@ -198,8 +224,8 @@ def _softmax_values(s_BGRLS, v_BGSK, mask_BLS, sink_GR, dropout_rate, dropout_ke
   if mask_BLS is not None:
     s_BGRLS = jnp.where(mask_BLS[:, None, None], s_BGRLS, NEG)
   p_BGRLS = dropout(_probabilities(s_BGRLS, sink_GR), dropout_rate, dropout_key)
-  o_BGRLK = _rows_einsum("bgms,bgsk->bgmk", p_BGRLS.astype(v_BGSK.dtype), v_BGSK)
-  if mask_BLS is not None:  # a query with no allowed key gets zeros (as `_attend_blocks` gives)
+  o_BGRLK = rows_einsum("bgms,bgsk->bgmk", p_BGRLS.astype(v_BGSK.dtype), v_BGSK)
+  if mask_BLS is not None:  # a query with no allowed key gets zeros (as `attend_spans` gives)
     o_BGRLK = jnp.where(mask_BLS.any(axis=-1)[:, None, None, :, None], o_BGRLK, 0.0)
   return o_BGRLK
 
@@ -221,162 +247,6 @@ def _grouped_bias(bias_BHLS, B, G):
   _, H, L, S = bias_BHLS.shape
   bias_BGRLS = bias_BHLS.astype(jnp.float32).reshape(-1, G, H // G, L, S)
   return jnp.broadcast_to(bias_BGRLS, (B, G, H // G, L, S))
-
-
-def _rows_einsum(spec, x_BGRL_, y):
-  """float32 `jnp.einsum(spec, x, y)` with x's (R, L) merged into one axis M (of x and of the
-  output): one free axis per operand, so neither the product nor its transposes need a copy."""
-  B, G, R, L = x_BGRL_.shape[:4]
-  out = jnp.einsum(spec, x_BGRL_.reshape(B, G, R * L, -1), y, preferred_element_type=jnp.float32)
-  return out.reshape(B, G, R, L, -1)
-
-
-def _logits(q_BGRLK, k_BGSK, mask_BLS, bias_BGRLS):
-  """q k / sqrt(K) + bias, NEG where masked: [B, G, R, L, S] float32."""
-  K = q_BGRLK.shape[-1]
-  s_BGRLS = _rows_einsum("bgmk,bgsk->bgms", q_BGRLK, k_BGSK) * (1.0 / math.sqrt(K))
-  if bias_BGRLS is not None:
-    s_BGRLS = s_BGRLS + bias_BGRLS
-  if mask_BLS is not None:
-    s_BGRLS = _masked(s_BGRLS, mask_BLS)
-  return s_BGRLS
-
-
-def _masked(s_BGRLS, mask_BLT):
-  """NEG where the mask [B, L, T] disallows a key. It covers the last T keys of the logits
-  [..., L, S], whose first S - T keys are all allowed; with T < S only those T columns are
-  rewritten (in place)."""
-  T, S = mask_BLT.shape[-1], s_BGRLS.shape[-1]
-  if T == S:
-    return jnp.where(mask_BLT[:, None, None], s_BGRLS, NEG)
-  tail_BGRLT = jnp.where(mask_BLT[:, None, None], s_BGRLS[..., S - T :], NEG)
-  return jax.lax.dynamic_update_slice_in_dim(s_BGRLS, tail_BGRLT, S - T, axis=-1)
-
-
-def _attend_fwd(q_BGRLK, k_BGSK, v_BGSK, mask_BLS, bias_BGRLS, sink_GR):
-  scale = 1.0 / math.sqrt(q_BGRLK.shape[-1])
-  if bias_BGRLS is None:
-    # The logits unscaled: the scale enters the exponentials' pass, and the row max as a
-    # positive factor (rounding is monotonic, so max(s) * scale is max(s * scale) exactly), so
-    # no pass writes the scaled [L, S] logits. A masked logit is NEG * scale, still exp -> 0.
-    s_BGRLS = _rows_einsum("bgmk,bgsk->bgms", q_BGRLK, k_BGSK)
-    if mask_BLS is not None:
-      s_BGRLS = _masked(s_BGRLS, mask_BLS)
-  else:
-    s_BGRLS, scale = _logits(q_BGRLK, k_BGSK, mask_BLS, bias_BGRLS), 1.0
-  max_BGRL1 = s_BGRLS.max(axis=-1, keepdims=True)
-  m_BGRL1 = max_BGRL1 * scale
-  if sink_GR is not None:
-    m_BGRL1 = jnp.maximum(m_BGRL1, sink_GR[None, :, :, None, None])
-  else:
-    # A row whose every key is masked (its max is NEG) subtracts 0 instead: e = exp(NEG) = 0,
-    # so it gives zero output and zero gradients (a per-row fix, not a pass over [L, S]).
-    m_BGRL1 = jnp.where(max_BGRL1 > NEG, m_BGRL1, 0.0)
-  e_BGRLS = jnp.exp(s_BGRLS * scale - m_BGRL1)
-  l_BGRL = e_BGRLS.sum(axis=-1)
-  if sink_GR is not None:  # with a sink, a row with every key masked has l = e_sink = 1, o = 0
-    esink_BGRL = jnp.exp(sink_GR[None, :, :, None] - m_BGRL1[..., 0])
-    l_BGRL = l_BGRL + esink_BGRL
-  ev_BGRLK = _rows_einsum("bgms,bgsk->bgmk", e_BGRLS.astype(v_BGSK.dtype), v_BGSK)
-  l_BGRL = jnp.where(l_BGRL == 0.0, 1.0, l_BGRL)
-  o_BGRLK = ev_BGRLK / l_BGRL[..., None]
-  has_bias = None if bias_BGRLS is None else ()  # structure only: no array kept
-  psink_BGRL = None if sink_GR is None else esink_BGRL / l_BGRL
-  return o_BGRLK, (q_BGRLK, k_BGSK, v_BGSK, e_BGRLS, l_BGRL, o_BGRLK, has_bias, psink_BGRL)
-
-
-def _attend_bwd(residuals, do_BGRLK):
-  q_BGRLK, k_BGSK, v_BGSK, e_BGRLS, l_BGRL, o_BGRLK, has_bias, psink_BGRL = residuals
-  B, G, R, L, K = q_BGRLK.shape
-  scale = 1.0 / math.sqrt(K)
-  r_BGRL1 = (1.0 / l_BGRL)[..., None]
-  do_BGRLK = do_BGRLK.astype(jnp.float32)
-  dp_BGRLS = _rows_einsum("bgmk,bgsk->bgms", do_BGRLK.astype(v_BGSK.dtype), v_BGSK)
-  # d logits = p (dp - sum_s p dp), with p = e / l and sum_s p dp = do . o.
-  delta_BGRL1 = jnp.sum(do_BGRLK * o_BGRLK, axis=-1, keepdims=True)
-  ds_BGRLS = e_BGRLS * (dp_BGRLS - delta_BGRL1) * r_BGRL1
-  # The 1 / sqrt(K) of the logits scales the [L, K] and [S, K] products, not the [L, S] one.
-  dq_BGRLK = _rows_einsum("bgms,bgsk->bgmk", ds_BGRLS.astype(k_BGSK.dtype), k_BGSK)
-  M = R * L
-  dk_BGSK = jnp.einsum(
-    "bgms,bgmk->bgsk", ds_BGRLS.reshape(B, G, M, -1).astype(q_BGRLK.dtype),
-    q_BGRLK.reshape(B, G, M, K), preferred_element_type=jnp.float32,
-  )  # fmt: skip
-  dv_BGSK = jnp.einsum(
-    "bgms,bgmk->bgsk", e_BGRLS.reshape(B, G, M, -1).astype(v_BGSK.dtype),
-    (do_BGRLK * r_BGRL1).reshape(B, G, M, -1).astype(v_BGSK.dtype),  # as wide as the values
-    preferred_element_type=jnp.float32,
-  )  # fmt: skip
-  dsink_GR = None
-  if psink_BGRL is not None:  # -sum over batch and rows of p_sink (do . o)
-    dsink_GR = -jnp.sum(psink_BGRL * delta_BGRL1[..., 0], axis=(0, 3))
-  return (
-    (dq_BGRLK * scale).astype(q_BGRLK.dtype), (dk_BGSK * scale).astype(k_BGSK.dtype),
-    dv_BGSK.astype(v_BGSK.dtype), None, None if has_bias is None else ds_BGRLS, dsink_GR,
-  )  # fmt: skip
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _attend_blocks(q_BGRLK, k_BGSK, v_BGSK, masks, biases, sink_GR, spans):
-  """softmax attention without dropout over query blocks, with a hand-written backward pass.
-
-  `spans` are (start, end, keys) in order, the last over every key (`causal_query_blocks`, or
-  one span (0, L, S)): the rows [start, end) of q attend to the keys [0, keys) with their mask
-  and bias (`_masked`); the outputs are joined along L. One custom_vjp for all blocks, so the
-  backward pass adds each block's key and value gradients into their prefix of one [S, K]
-  buffer in place, instead of padding every block's to S and summing the padded copies (what
-  autodiff of the key slices gives).
-
-  The forward pass normalises after the probability-value product (o = (e v) / l with
-  e = exp(logits - max) and l its row sum), so the probabilities are never written; the
-  backward pass uses the output (sum_s p dp = do . o) instead of a second reduction over the
-  [L, S] scores, and needs no mask (e is exactly 0 where masked). Equal to jax.nn.softmax's
-  forward and gradients to float32 rounding, except that a row with every key masked gives
-  zeros (as `dense_attention` returns for it) rather than uniform weights.
-
-  With sink logits sink_GR (`sinks.py`), the row max also covers the sink and l gains
-  exp(sink - max), a key with no value. Its gradient: o = (e v) / l depends on the sink only
-  through l, d l / d sink = exp(sink - max), so d o / d sink = -o p_sink with
-  p_sink = exp(sink - max) / l, and d loss / d sink = -sum over batch and rows of
-  p_sink (do . o), the same do . o that the logits' gradient uses. The logits' gradient keeps
-  its form, p (dp - do . o): the sink adds no term to sum_s p dp, having no value.
-  """
-  return _attend_blocks_fwd(q_BGRLK, k_BGSK, v_BGSK, masks, biases, sink_GR, spans)[0]
-
-
-def _attend_blocks_fwd(q_BGRLK, k_BGSK, v_BGSK, masks, biases, sink_GR, spans):
-  outputs, residuals = [], []
-  for (start, end, keys), mask_BTE, bias_BGRTE in zip(spans, masks, biases, strict=True):
-    o_BGRTK, res = _attend_fwd(
-      q_BGRLK[:, :, :, start:end], k_BGSK[:, :, :keys], v_BGSK[:, :, :keys], mask_BTE,
-      bias_BGRTE, sink_GR,
-    )  # fmt: skip
-    outputs.append(o_BGRTK)
-    residuals.append(res)
-  return jnp.concatenate(outputs, axis=3), residuals
-
-
-def _attend_blocks_bwd(spans, residuals, do_BGRLK):
-  n = len(spans)
-  dq_blocks, dbiases, dk_BGSK, dv_BGSK, dsink_GR = [None] * n, [None] * n, None, None, None
-  # The last block first: its key and value gradients, over every key, start the [S, K] buffers.
-  for i in reversed(range(n)):
-    start, end, keys = spans[i]
-    dq_blocks[i], dk_BGEK, dv_BGEK, _, dbiases[i], dsink = _attend_bwd(
-      residuals[i], do_BGRLK[:, :, :, start:end]
-    )
-    if dk_BGSK is None:
-      dk_BGSK, dv_BGSK = dk_BGEK, dv_BGEK
-    else:
-      dk_BGSK = dk_BGSK.at[:, :, :keys].add(dk_BGEK)
-      dv_BGSK = dv_BGSK.at[:, :, :keys].add(dv_BGEK)
-    if dsink is not None:
-      dsink_GR = dsink if dsink_GR is None else dsink_GR + dsink
-  dq_BGRLK = jnp.concatenate(dq_blocks, axis=3)
-  return dq_BGRLK, dk_BGSK, dv_BGSK, (None,) * n, tuple(dbiases), dsink_GR
-
-
-_attend_blocks.defvjp(_attend_blocks_fwd, _attend_blocks_bwd)
 
 
 def chunked_attention(

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from roformer.nn.attention import blocks, softmax
 from roformer.nn.attention import kernels as attention
-from roformer.nn.attention import softmax
 from roformer.posenc import POSENCS, make_posenc
 from roformer.posenc.config import PosEncConfig, RopeScaling
 
@@ -343,7 +343,7 @@ def test_hand_written_softmax_backward_matches_autodiff_with_bias_and_masked_row
   w = _normal((B, G, 2, 6, K), 25)
 
   def reference(q, k, v, bias):
-    p = jax.nn.softmax(attention._logits(q, k, mask, bias), axis=-1)
+    p = jax.nn.softmax(blocks.logits(q, k, mask, bias), axis=-1)
     o = jnp.einsum("bgrls,bgsk->bgrlk", p, v)
     return jnp.where(mask.any(-1)[:, None, None, :, None], o, 0.0)  # a row with no key: zeros
 
@@ -351,7 +351,7 @@ def test_hand_written_softmax_backward_matches_autodiff_with_bias_and_masked_row
     return lambda *args: jnp.sum(jnp.sin(fn(*args)) * w)
 
   def attend(q, k, v, mask, bias):  # one span over every row and key
-    return attention._attend_blocks(q, k, v, (mask,), (bias,), None, ((0, 6, 7),))
+    return blocks.attend_spans(q, k, v, (mask,), (bias,), None, ((0, 6, 7),))
 
   args = (q, k, v, bias)
   got_out = attend(q, k, v, mask, bias)
@@ -364,16 +364,19 @@ def test_hand_written_softmax_backward_matches_autodiff_with_bias_and_masked_row
 
 
 @pytest.mark.parametrize("with_bias", [False, True])  # RoPE's path (no bias) scales in exp
+@pytest.mark.parametrize("length", [37, 40])  # 40: 5 equal blocks, run as pairs of blocks
 def test_causal_blocks_without_segments_mask_only_their_diagonal_and_give_unsplit_gradients(
-  with_bias, monkeypatch
+  length, with_bias, monkeypatch
 ):
-  # No segments, no window: each block's mask covers the keys from its first query on; the
-  # gradients of q, k, v, a learned bias and the sink logits equal the one-block kernel's.
-  q, k, v = _qkv()
-  pos = _positions()
+  # No segments, no window: each block's mask covers the keys from its first query on (with
+  # equal blocks, only the diagonal pairs are masked); the gradients of q, k, v, a learned bias
+  # and the sink logits equal the one-block kernel's.
+  q, k, v = _qkv(length=length)
+  pos = _positions(length)
   w = _normal((H,), 30)
   sink = _normal((H,), 31)
-  out_w = _normal((B, L, H, K), 32)
+  key_bias = _normal((B, length, H), 33) if with_bias else None  # a bias per key, sliced by block
+  out_w = _normal((B, length, H, K), 32)
 
   def grads():
     def loss(q, k, v, w, sink):
@@ -381,26 +384,32 @@ def test_causal_blocks_without_segments_mask_only_their_diagonal_and_give_unspli
         return w[None, :, None, None] * _position_bias(qpos, kpos)
 
       o = attention.dense_attention(
-        q, k, v, pos, pos, causal=True, bias_fn=bias_fn if with_bias else None, sink_H=sink
-      )
+        q, k, v, pos, pos, causal=True, bias_fn=bias_fn if with_bias else None, sink_H=sink,
+        key_bias_BSH=key_bias,
+      )  # fmt: skip
       return jnp.sum(jnp.sin(o) * out_w)
 
     return jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))(q, k, v, w, sink)
 
-  want_loss, want = grads()  # L = 37: one block
+  want_loss, want = grads()  # one block
   monkeypatch.setattr(attention, "CAUSAL_QUERY_BLOCK", 8)  # 5 blocks
+  pair_calls = []
+  monkeypatch.setattr(
+    attention, "attend_pairs", lambda *a: pair_calls.append(1) or blocks.attend_pairs(*a)
+  )
   got_loss, got = grads()
-  np.testing.assert_allclose(got_loss, want_loss, atol=1e-5)  # a sum of 2,368 terms
+  assert bool(pair_calls) == (length % 5 == 0)
+  np.testing.assert_allclose(got_loss, want_loss, atol=1e-5)  # a sum of B L H K terms
   for g, w_ in zip(got, want, strict=True):
     np.testing.assert_allclose(g, w_, atol=1e-5)
   # Negative control: with the blocks' masks dropped, the later keys count and the loss moves.
-  monkeypatch.setattr(attention, "_masked", lambda s, mask: s)
+  monkeypatch.setattr(blocks, "masked", lambda s, mask: s)
   assert abs(grads()[0] - want_loss) > 1e-2
 
 
 def test_masked_rewrites_only_the_last_keys():
   s = _normal((B, G, 2, 4, 7), 33)
   mask = jnp.asarray(np.random.default_rng(34).random((B, 4, 3)) < 0.5)
-  got = attention._masked(s, mask)
+  got = blocks.masked(s, mask)
   full = jnp.concatenate([jnp.ones((B, 4, 4), bool), mask], axis=-1)
   np.testing.assert_array_equal(got, jnp.where(full[:, None, None], s, attention.NEG))
