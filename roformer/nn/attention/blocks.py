@@ -4,12 +4,9 @@ pass: the core of the dense kernel (`kernels.dense_attention`).
 Operands are heads first: q [B, G, R, T, K], keys and values [B, G, E, K] (legend in
 kernels.py). One query block attends to a list of key blocks, each with its mask and bias; the
 softmax runs over all of them (one row max, one row sum), so splitting the keys changes nothing
-beyond float32 rounding. Two arrangements use it:
-
-- `attend_spans`: query blocks over key prefixes, sliced from [B, G, S, K] keys (any mask).
-- `attend_pairs`: causal self-attention in N equal blocks laid out [N, B, G, ...], query block
-  i over key blocks 0..i, masked on the diagonal pair only. Every block is a contiguous view of
-  its stacked array, so no key prefix is copied, and the off-diagonal pairs need no mask.
+beyond float32 rounding. `attend_spans` runs query blocks over key prefixes sliced from
+[B, G, S, K] keys, with any mask; causal self-attention in equal blocks has its own arrangement
+(`block_pairs.py`).
 """
 
 from __future__ import annotations
@@ -197,55 +194,3 @@ def _spans_bwd(spans, residuals, do_BGRLK):
 
 
 attend_spans.defvjp(_spans_fwd, _spans_bwd)
-
-
-def pairs(n: int) -> list[tuple[int, int]]:
-  """The (query block, key block) pairs of causal attention in n blocks, in `attend_pairs`'s
-  order of biases: (0, 0), (1, 0), (1, 1), (2, 0), ..."""
-  return [(i, j) for i in range(n) for j in range(i + 1)]
-
-
-@jax.custom_vjp
-def attend_pairs(q_NBGRTK, k_NBGTK, v_NBGTK, masks, biases, sink_GR):
-  """Causal self-attention in N equal blocks: query block i over key blocks 0..i. `masks` are
-  the N diagonal pairs' [B, T, T] masks (the pairs below the diagonal are all allowed), `biases`
-  one [B, G, R, T, T] bias (or None) per pair in the order of `pairs(N)`. Returns
-  [N, B, G, R, T, V]. The key and value gradients of each block are summed over the query
-  blocks that see it.
-  """
-  return _pairs_fwd(q_NBGRTK, k_NBGTK, v_NBGTK, masks, biases, sink_GR)[0]
-
-
-attend_pairs.__doc__ += _SOFTMAX_DOC
-
-
-def _pairs_fwd(q_NBGRTK, k_NBGTK, v_NBGTK, masks, biases, sink_GR):
-  n = q_NBGRTK.shape[0]
-  bias_of = dict(zip(pairs(n), biases, strict=True))
-  outputs, residuals = [], []
-  for i in range(n):
-    key_blocks = [
-      (k_NBGTK[j], v_NBGTK[j], masks[i] if j == i else None, bias_of[i, j]) for j in range(i + 1)
-    ]
-    o_BGRTV, res = _block_fwd(q_NBGRTK[i], key_blocks, sink_GR)
-    outputs.append(o_BGRTV)
-    residuals.append(res)
-  return jnp.stack(outputs), residuals
-
-
-def _pairs_bwd(residuals, do_NBGRTV):
-  n = len(residuals)
-  dq_blocks, dk_blocks, dv_blocks, dbiases, dsink_GR = [], [None] * n, [None] * n, [], None
-  for i in range(n):
-    dq, grads, dsink = _block_bwd(residuals[i], do_NBGRTV[i])
-    dq_blocks.append(dq)
-    for j, (dk, dv, dbias) in enumerate(grads):
-      dk_blocks[j], dv_blocks[j] = _add(dk_blocks[j], dk), _add(dv_blocks[j], dv)
-      dbiases.append(dbias)
-    if dsink is not None:
-      dsink_GR = _add(dsink_GR, dsink)
-  stack = jnp.stack
-  return stack(dq_blocks), stack(dk_blocks), stack(dv_blocks), (None,) * n, tuple(dbiases), dsink_GR
-
-
-attend_pairs.defvjp(_pairs_fwd, _pairs_bwd)

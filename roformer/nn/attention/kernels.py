@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 
 from roformer.nn.attention import banded, fused, sinks
-from roformer.nn.attention.blocks import attend_pairs, attend_spans, logits, pairs, rows_einsum
+from roformer.nn.attention.block_pairs import attend_pairs, pairs
+from roformer.nn.attention.blocks import attend_spans, logits, rows_einsum
 from roformer.nn.attention.piecewise import pieces_cover, piecewise_scores
 from roformer.nn.attention.primitives import (
   NEG,
@@ -67,7 +68,7 @@ def dense_attention(
   for every query of the block, so their scores are not computed (5/8 of the [L, S] work at
   L = 512). The result equals the unsplit kernel's to float32 rounding. With no other mask
   (segments, window, global tokens, piecewise positions) and equal blocks, the blocks run as
-  pairs of query and key blocks (`blocks.attend_pairs`), so no block's keys are copied.
+  pairs of query and key blocks (`block_pairs.attend_pairs`), so no block's keys are copied.
 
   Args:
     q_BLHK: queries (already rotated), any float dtype.

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from roformer.nn.attention import blocks, softmax
+from roformer.nn.attention import block_pairs, blocks, softmax
 from roformer.nn.attention import kernels as attention
 from roformer.posenc import POSENCS, make_posenc
 from roformer.posenc.config import PosEncConfig, RopeScaling
@@ -395,15 +395,19 @@ def test_causal_blocks_without_segments_mask_only_their_diagonal_and_give_unspli
   monkeypatch.setattr(attention, "CAUSAL_QUERY_BLOCK", 8)  # 5 blocks
   pair_calls = []
   monkeypatch.setattr(
-    attention, "attend_pairs", lambda *a: pair_calls.append(1) or blocks.attend_pairs(*a)
+    attention, "attend_pairs", lambda *a: pair_calls.append(1) or block_pairs.attend_pairs(*a)
   )
   got_loss, got = grads()
   assert bool(pair_calls) == (length % 5 == 0)
   np.testing.assert_allclose(got_loss, want_loss, atol=1e-5)  # a sum of B L H K terms
   for g, w_ in zip(got, want, strict=True):
     np.testing.assert_allclose(g, w_, atol=1e-5)
+
   # Negative control: with the blocks' masks dropped, the later keys count and the loss moves.
-  monkeypatch.setattr(blocks, "masked", lambda s, mask: s)
+  def allow_all(qpos_BT, kpos_BE, *args, **kwargs):
+    return jnp.ones(qpos_BT.shape + kpos_BE.shape[1:], bool)
+
+  monkeypatch.setattr(attention, "attention_mask", allow_all)
   assert abs(grads()[0] - want_loss) > 1e-2
 
 
