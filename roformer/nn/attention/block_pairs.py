@@ -1,20 +1,24 @@
 """Causal self-attention in N equal blocks, keys major: the dense kernel's path for causal
 attention with no other mask (`kernels.dense_attention`).
 
-q, k and v come laid out [N, B, G, (R,) T, K]: every block is a contiguous view, so no key
-prefix is copied. Query block i attends to key blocks 0..i; only the diagonal pair (i, i) is
-masked, the keys of earlier blocks being earlier (the assumption `causal_query_blocks` states).
+q, k and v come laid out [N, B, G, (R,) T, K]: a block is one slice of its stacked array, so
+every key is written into the blocks' layout once (a prefix per query block would copy the first
+keys again for every later block). Query block i attends to key blocks 0..i; only the diagonal
+pair (i, i) is masked, the keys of earlier blocks being earlier (the assumption
+`causal_query_blocks` states).
 
 Every product is a plain [rows, inner] x [inner, cols] GEMM: the scores of a pair are computed
-transposed, s^T = k q^T [T keys, M = R T queries], so the softmax reduces over the keys axis and
-the four backward products need no transposed operand either:
+transposed, s^T = k q^T [T keys, M = R T queries], so the softmax reduces over the keys axis,
+and the backward pass takes the forward pass's blocks as they are:
 
   forward   s^T = k (q^T)          o^T = (v^T) e^T
-  backward  dp^T = v (do^T)        dq^T = (k^T) ds^T      dk = ds^T q      dv = e^T (do / l)
+  backward  dp = do (v^T)          dq = ds k       dk^T = (q^T) ds       dv = e^T (do / l)
 
-with the small [T, K] transposes of q, k, v and do written once. On XLA:CPU a batched product
-that contracts its left operand over the major axis (ds^T q, e^T do in the row-major layout)
-runs at about half the speed of the plain form (`benchmarks/attention_products.py`).
+with q^T and v^T written once per block, and ds written rows major from e^T. On XLA:CPU a
+batched product that contracts its left operand over the major axis (ds^T q, e^T do in the
+rows-major layout) runs at about half the speed of the plain form
+(`benchmarks/attention_products.py`).
+
 The softmax is `blocks.attend_spans`'s (normalised after the value product, the backward pass
 from do . o, the sink logits one more term of each query's denominator), transposed.
 """
@@ -47,7 +51,7 @@ def _nn(spec, x, y):
 def _query_block_fwd(q_BGRTK, key_blocks, sink_GR):
   """Query block q [B, G, R, T, K] over `key_blocks`, a list of (k [B, G, T, K],
   v^T [B, G, V, T], mask^T [B, T keys, T queries] or None, bias^T [B, G, T, M] or None):
-  o^T [B, G, V, M] and the residuals."""
+  o [B, G, M, V] and the residuals."""
   B, G, R, T, K = q_BGRTK.shape
   M = R * T
   scale = 1.0 / math.sqrt(K)
@@ -87,33 +91,38 @@ def _query_block_fwd(q_BGRTK, key_blocks, sink_GR):
   oT_BGVM = functools.reduce(jnp.add, evT_blocks) / l_BG1M
   has_bias = tuple(None if b is None else () for _, _, _, b in key_blocks)  # no array kept
   psink_BG1M = None if sink_GR is None else esink_BG1M / l_BG1M
-  return oT_BGVM, (q_BGMK, eT_blocks, l_BG1M, oT_BGVM, has_bias, psink_BG1M)
+  o_BGMV = _swap(oT_BGVM)
+  return o_BGMV, (qT_BGKM, eT_blocks, l_BG1M, o_BGMV, has_bias, psink_BG1M)
 
 
-def _query_block_bwd(residuals, kv_blocks, doT_BGVM):
-  """dq^T [B, G, K, M], a list of (dk, dv, d bias^T) per key block of `kv_blocks` (k^T
-  [B, G, K, T], v [B, G, T, V]), and the sink logits' gradient per query [B, G, 1, M] (or
-  None)."""
-  q_BGMK, eT_blocks, l_BG1M, oT_BGVM, has_bias, psink_BG1M = residuals
-  scale = 1.0 / math.sqrt(q_BGMK.shape[-1])
-  r_BG1M = 1.0 / l_BG1M
+def _query_block_bwd(residuals, kv_blocks, do_BGMV):
+  """dq [B, G, M, K], a list of (dk^T [B, G, K, T], dv [B, G, T, V], d bias [B, G, M, T]) per
+  key block of `kv_blocks` (the forward pass's k [B, G, T, K] and v^T [B, G, V, T]), and the
+  sink logits' gradient per query [B, G, M, 1] (or None).
+
+  The backward products take the forward pass's operands as they are, so no block is copied
+  into another layout: dp = do v^T and dq = ds k as [M, T] x [T, K]; dk^T = q^T ds and
+  dv = e^T (do / l), each a plain GEMM. Only ds is written rows major, read from e^T."""
+  qT_BGKM, eT_blocks, l_BG1M, o_BGMV, has_bias, psink_BG1M = residuals
+  scale = 1.0 / math.sqrt(qT_BGKM.shape[2])
+  r_BGM1 = _swap(1.0 / l_BG1M)
   # d logits = p (dp - sum_s p dp), with p = e / l and sum_s p dp = do . o.
-  delta_BG1M = jnp.sum(doT_BGVM * oT_BGVM, axis=2, keepdims=True)
-  dor_BGMV = _swap(doT_BGVM * r_BG1M)
-  dqT_BGKM, grads = None, []
-  for (kT_BGKE, v_BGEV), eT_BGEM, bias in zip(kv_blocks, eT_blocks, has_bias, strict=True):
-    dpT_BGEM = _nn("bgsk,bgkm->bgsm", v_BGEV, doT_BGVM.astype(v_BGEV.dtype))
-    dsT_BGEM = eT_BGEM * (dpT_BGEM - delta_BG1M) * r_BG1M
-    dqT = _nn("bgks,bgsm->bgkm", kT_BGKE, dsT_BGEM.astype(kT_BGKE.dtype))
-    dqT_BGKM = dqT if dqT_BGKM is None else dqT_BGKM + dqT
-    # The 1 / sqrt(K) of the logits scales the [M, K] and [T, K] products, not the [T, M] one.
-    dk_BGEK = _nn("bgsm,bgmk->bgsk", dsT_BGEM.astype(q_BGMK.dtype), q_BGMK) * scale
-    dv_BGEV = _nn("bgsm,bgmk->bgsk", eT_BGEM.astype(v_BGEV.dtype), dor_BGMV.astype(v_BGEV.dtype))
-    dk_BGEK, dv_BGEV = dk_BGEK.astype(kT_BGKE.dtype), dv_BGEV.astype(v_BGEV.dtype)
-    grads.append((dk_BGEK, dv_BGEV, None if bias is None else dsT_BGEM))
+  delta_BGM1 = jnp.sum(do_BGMV * o_BGMV, axis=-1, keepdims=True)
+  dor_BGMV = do_BGMV * r_BGM1
+  dq_BGMK, grads = None, []
+  for (k_BGEK, vT_BGVE), eT_BGEM, bias in zip(kv_blocks, eT_blocks, has_bias, strict=True):
+    dp_BGME = _nn("bgmv,bgvs->bgms", do_BGMV.astype(vT_BGVE.dtype), vT_BGVE)
+    ds_BGME = _swap(eT_BGEM) * (dp_BGME - delta_BGM1) * r_BGM1
+    dq = _nn("bgms,bgsk->bgmk", ds_BGME.astype(k_BGEK.dtype), k_BGEK)
+    dq_BGMK = dq if dq_BGMK is None else dq_BGMK + dq
+    # The 1 / sqrt(K) of the logits scales the [M, K] and [T, K] products, not the [M, T] one.
+    dkT_BGKE = _nn("bgkm,bgms->bgks", qT_BGKM, ds_BGME.astype(qT_BGKM.dtype)) * scale
+    dv_BGEV = _nn("bgsm,bgmv->bgsv", eT_BGEM.astype(vT_BGVE.dtype), dor_BGMV.astype(vT_BGVE.dtype))
+    dkT_BGKE, dv_BGEV = dkT_BGKE.astype(k_BGEK.dtype), dv_BGEV.astype(vT_BGVE.dtype)
+    grads.append((dkT_BGKE, dv_BGEV, None if bias is None else ds_BGME))
   # The sink logits' gradient is -sum over batch and rows of p_sink (do . o); per query here.
-  dsink_BG1M = None if psink_BG1M is None else -psink_BG1M * delta_BG1M
-  return dqT_BGKM * scale, grads, dsink_BG1M
+  dsink_BGM1 = None if psink_BG1M is None else -_swap(psink_BG1M) * delta_BGM1
+  return dq_BGMK * scale, grads, dsink_BGM1
 
 
 @jax.custom_vjp
@@ -136,43 +145,45 @@ def _keys_major_bias(bias_BGRTE):
 
 def _pairs_fwd(q_NBGRTK, k_NBGTK, v_NBGTV, masks, biases, sink_GR):
   n, B, G, R, T, _ = q_NBGRTK.shape
-  vT_NBGVT = _swap(v_NBGTV)
+  k_blocks = [k_NBGTK[j] for j in range(n)]
+  vT_blocks = [_swap(v_NBGTV[j]) for j in range(n)]
   bias_of = dict(zip(pairs(n), biases, strict=True))
   outputs, residuals = [], []
   for i in range(n):
     key_blocks = [
-      (k_NBGTK[j], vT_NBGVT[j], _swap(masks[i]) if j == i else None,
+      (k_blocks[j], vT_blocks[j], _swap(masks[i]) if j == i else None,
        _keys_major_bias(bias_of[i, j]))
       for j in range(i + 1)
     ]  # fmt: skip
-    oT_BGVM, res = _query_block_fwd(q_NBGRTK[i], key_blocks, sink_GR)
-    outputs.append(_swap(oT_BGVM).reshape(B, G, R, T, -1))
+    o_BGMV, res = _query_block_fwd(q_NBGRTK[i], key_blocks, sink_GR)
+    outputs.append(o_BGMV.reshape(B, G, R, T, -1))
     residuals.append(res)
-  return jnp.stack(outputs), (_swap(k_NBGTK), v_NBGTV, residuals)
+  # The backward pass reuses the forward pass's blocks (the same arrays, not new slices).
+  return jnp.stack(outputs), (k_blocks, vT_blocks, residuals)
 
 
 def _pairs_bwd(saved, do_NBGRTV):
-  kT_NBGKT, v_NBGTV, residuals = saved
+  k_blocks, vT_blocks, residuals = saved
   n, B, G, R, T, _ = do_NBGRTV.shape
-  dq_blocks, dk_blocks, dv_blocks, dbiases, dsink_GR = [], [None] * n, [None] * n, [], None
+  dq_blocks, dkT_blocks, dv_blocks, dbiases, dsink_GR = [], [None] * n, [None] * n, [], None
   for i in range(n):
-    doT_BGVM = _swap(do_NBGRTV[i].astype(jnp.float32).reshape(B, G, R * T, -1))
-    kv_blocks = [(kT_NBGKT[j], v_NBGTV[j]) for j in range(i + 1)]
-    dqT_BGKM, grads, dsink_BG1M = _query_block_bwd(residuals[i], kv_blocks, doT_BGVM)
+    do_BGMV = do_NBGRTV[i].astype(jnp.float32).reshape(B, G, R * T, -1)
+    kv_blocks = list(zip(k_blocks[: i + 1], vT_blocks[: i + 1], strict=True))
+    dq_BGMK, grads, dsink_BGM1 = _query_block_bwd(residuals[i], kv_blocks, do_BGMV)
     q_dtype = residuals[i][0].dtype
-    dq_blocks.append(_swap(dqT_BGKM).reshape(B, G, R, T, -1).astype(q_dtype))
-    for j, (dk, dv, dbiasT_BGEM) in enumerate(grads):
-      dk_blocks[j] = dk if dk_blocks[j] is None else dk_blocks[j] + dk
+    dq_blocks.append(dq_BGMK.reshape(B, G, R, T, -1).astype(q_dtype))
+    for j, (dkT, dv, dbias_BGME) in enumerate(grads):
+      dkT_blocks[j] = dkT if dkT_blocks[j] is None else dkT_blocks[j] + dkT
       dv_blocks[j] = dv if dv_blocks[j] is None else dv_blocks[j] + dv
-      if dbiasT_BGEM is not None:  # back to [B, G, R, T, E]
-        E = dbiasT_BGEM.shape[2]
-        dbiasT_BGEM = dbiasT_BGEM.reshape(B, G, E, R, T).transpose(0, 1, 3, 4, 2)
-      dbiases.append(dbiasT_BGEM)
-    if dsink_BG1M is not None:
-      dsink = dsink_BG1M.reshape(B, G, R, T).sum(axis=(0, 3))
+      if dbias_BGME is not None:  # [B, G, R, T, E], the bias's layout
+        dbias_BGME = dbias_BGME.reshape(B, G, R, T, -1)
+      dbiases.append(dbias_BGME)
+    if dsink_BGM1 is not None:
+      dsink = dsink_BGM1.reshape(B, G, R, T).sum(axis=(0, 3))
       dsink_GR = dsink if dsink_GR is None else dsink_GR + dsink
+  dk_NBGTK = _swap(jnp.stack(dkT_blocks))
   stack = jnp.stack
-  return stack(dq_blocks), stack(dk_blocks), stack(dv_blocks), (None,) * n, tuple(dbiases), dsink_GR
+  return stack(dq_blocks), dk_NBGTK, stack(dv_blocks), (None,) * n, tuple(dbiases), dsink_GR
 
 
 attend_pairs.defvjp(_pairs_fwd, _pairs_bwd)
