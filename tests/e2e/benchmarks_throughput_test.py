@@ -53,3 +53,29 @@ def test_matmul_table_covers_both_dtypes(tmp_path):
   assert [(r["size"], r["dtype"]) for r in rows] == [(64, "float32"), (64, "bfloat16")]
   assert all(r["jax_gflops"] > 0 for r in rows)
   assert "| 64 | bfloat16 |" in proc.stdout
+
+
+def test_attention_products_table_times_every_form():
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  proc = subprocess.run(
+    [
+      sys.executable,
+      str(REPO / "benchmarks" / "attention_products.py"),
+      "--rows=16",
+      "--keys=16,32",
+      "--head_dim=8",
+      "--repeats=2",
+    ],  # fmt: skip
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  lines = proc.stdout.splitlines()
+  rows = [line for line in lines if line.startswith("| ") and "GFLOP" not in line]
+  forms = [row.split(" | ")[1] for row in rows]
+  assert forms == ["NT", "NN", "NN", "TN", "NN"]
+  for row in rows:  # a positive rate for each key count
+    cells = row.strip("| ").split(" | ")[2:]
+    assert len(cells) == 2 and all(float(c.replace(",", "")) > 0 for c in cells)
