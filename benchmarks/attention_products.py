@@ -11,11 +11,10 @@ JAX runs with the XLA flags train.py sets (roformer.infra.cpu_flags) unless XLA_
 """
 
 import os
-import statistics
 import sys
-import time
 
 from absl import app, flags
+from bench_step import median_seconds
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # roformer
 
@@ -36,16 +35,6 @@ FORMS = [
 ]
 
 
-def _median_seconds(fn, repeats: int) -> float:
-  fn()  # compile / warm up
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
-
-
 def gflops(spec: str, left: str, right: str, sizes: dict, repeats: int) -> float:
   import jax
   import jax.numpy as jnp
@@ -54,7 +43,7 @@ def gflops(spec: str, left: str, right: str, sizes: dict, repeats: int) -> float
   y = jnp.ones((BATCH, HEADS, *(sizes[a] for a in right)), jnp.float32)
   f = jax.jit(lambda x, y: jnp.einsum(spec, x, y))
   flop = 2.0 * BATCH * HEADS * sizes["m"] * sizes["s"] * sizes["k"]
-  return flop / _median_seconds(lambda: f(x, y).block_until_ready(), repeats) / 1e9
+  return flop / median_seconds(lambda: f(x, y).block_until_ready(), repeats) / 1e9
 
 
 def main(argv):
@@ -72,7 +61,8 @@ def main(argv):
     cells = []
     for e in keys:
       sizes = {"m": FLAGS.rows, "s": e, "k": FLAGS.head_dim}
-      cells.append(f"{gflops(spec, left, right, sizes, FLAGS.repeats):,.0f}")
+      rate = gflops(spec, left, right, sizes, FLAGS.repeats)
+      cells.append(f"{rate:,.0f}" if rate >= 100 else f"{rate:.3g}")  # 3 digits at least
     print(f"| {name} | {form} | " + " | ".join(cells) + " |")
 
 

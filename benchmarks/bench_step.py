@@ -1,6 +1,7 @@
 """The train step as train.py builds it, for the benchmarks: config, live runs, AOT compiles."""
 
 import functools
+import statistics
 import time
 
 # The tokenizer's vocabulary size, without training one: bytes has 261 ids.
@@ -14,6 +15,17 @@ SMOKE_MODEL = {
   "data.seq_len": 32,
   "train.global_batch_size": 2,
 }
+
+
+def median_seconds(fn, repeats: int) -> float:
+  """Median wall seconds of `repeats` calls of fn, after one untimed call (compile, warm-up)."""
+  fn()
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
 
 
 def apply_overrides(config, overrides: dict) -> None:

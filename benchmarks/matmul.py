@@ -10,10 +10,9 @@ uses the same number of threads as there are cores. Prints a table; --json write
 
 import json
 import os
-import statistics
-import time
 
 from absl import app, flags
+from bench_step import median_seconds
 
 flags.DEFINE_list("sizes", ["256", "1024", "2048"], "Sides of the square matmuls.")
 flags.DEFINE_integer("repeats", 5, "Timed calls per size; the median is reported.")
@@ -22,23 +21,13 @@ FLAGS = flags.FLAGS
 DTYPES = ("float32", "bfloat16")
 
 
-def _median_seconds(fn, repeats: int) -> float:
-  fn()  # compile / warm up
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
-
-
 def jax_gflops(size: int, dtype: str, repeats: int) -> float:
   import jax
   import jax.numpy as jnp
 
   a = jnp.ones((size, size), dtype)
   f = jax.jit(lambda a, b: a @ b)
-  return 2.0 * size**3 / _median_seconds(lambda: f(a, a).block_until_ready(), repeats) / 1e9
+  return 2.0 * size**3 / median_seconds(lambda: f(a, a).block_until_ready(), repeats) / 1e9
 
 
 def torch_gflops(size: int, dtype: str, repeats: int) -> float | None:
@@ -47,7 +36,7 @@ def torch_gflops(size: int, dtype: str, repeats: int) -> float | None:
   except ImportError:
     return None
   a = torch.ones(size, size, dtype=getattr(torch, dtype))
-  return 2.0 * size**3 / _median_seconds(lambda: a @ a, repeats) / 1e9
+  return 2.0 * size**3 / median_seconds(lambda: a @ a, repeats) / 1e9
 
 
 def main(argv):

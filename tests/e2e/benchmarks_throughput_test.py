@@ -8,17 +8,18 @@ import sys
 from roformer.testing import REPO
 
 
+def _run_benchmark(script: str, *args: str) -> subprocess.CompletedProcess:
+  """Runs benchmarks/<script> on the CPU; fails the test with its stderr if it fails."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  cmd = [sys.executable, str(REPO / "benchmarks" / script), *args]
+  proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  return proc
+
+
 def test_throughput_smoke_reports_speed_and_flops(tmp_path):
   out = tmp_path / "throughput.json"
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  proc = subprocess.run(
-    [sys.executable, str(REPO / "benchmarks" / "throughput.py"), "--smoke", f"--json={out}"],
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
-  assert proc.returncode == 0, proc.stderr[-2000:]
+  proc = _run_benchmark("throughput.py", "--smoke", f"--json={out}")
   result = json.loads(out.read_text())
   assert result["kind"] == "encoder"
   assert result["tokens_per_sec"] > 0 and result["compile_seconds"] > 0
@@ -34,21 +35,7 @@ def test_throughput_smoke_reports_speed_and_flops(tmp_path):
 
 def test_matmul_table_covers_both_dtypes(tmp_path):
   out = tmp_path / "matmul.json"
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  proc = subprocess.run(
-    [
-      sys.executable,
-      str(REPO / "benchmarks" / "matmul.py"),
-      "--sizes=64",
-      "--repeats=2",
-      f"--json={out}",
-    ],  # fmt: skip
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
-  assert proc.returncode == 0, proc.stderr[-2000:]
+  proc = _run_benchmark("matmul.py", "--sizes=64", "--repeats=2", f"--json={out}")
   rows = json.loads(out.read_text())["rows"]
   assert [(r["size"], r["dtype"]) for r in rows] == [(64, "float32"), (64, "bfloat16")]
   assert all(r["jax_gflops"] > 0 for r in rows)
@@ -56,22 +43,8 @@ def test_matmul_table_covers_both_dtypes(tmp_path):
 
 
 def test_attention_products_table_times_every_form():
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  proc = subprocess.run(
-    [
-      sys.executable,
-      str(REPO / "benchmarks" / "attention_products.py"),
-      "--rows=16",
-      "--keys=16,32",
-      "--head_dim=8",
-      "--repeats=2",
-    ],  # fmt: skip
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
-  assert proc.returncode == 0, proc.stderr[-2000:]
+  args = ("--rows=16", "--keys=16,32", "--head_dim=8", "--repeats=2")
+  proc = _run_benchmark("attention_products.py", *args)
   lines = proc.stdout.splitlines()
   rows = [line for line in lines if line.startswith("| ") and "GFLOP" not in line]
   forms = [row.split(" | ")[1] for row in rows]
