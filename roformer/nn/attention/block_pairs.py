@@ -55,6 +55,8 @@ def _query_block_fwd(q_BGRTK, key_blocks, sink_GR):
   B, G, R, T, K = q_BGRTK.shape
   M = R * T
   scale = 1.0 / math.sqrt(K)
+  if len({bias is None for _, _, _, bias in key_blocks}) > 1:
+    raise ValueError("every pair has a bias, or none: the scale is applied once for all")
   q_BGMK = q_BGRTK.reshape(B, G, M, K)
   qT_BGKM = _swap(q_BGMK)
   s_blocks = []

@@ -363,10 +363,11 @@ def test_hand_written_softmax_backward_matches_autodiff_with_bias_and_masked_row
     np.testing.assert_allclose(g, w_, atol=1e-5)
 
 
+@pytest.mark.parametrize("with_sink", [False, True])
 @pytest.mark.parametrize("with_bias", [False, True])  # RoPE's path (no bias) scales in exp
 @pytest.mark.parametrize("length", [37, 40])  # 40: 5 equal blocks, run as pairs of blocks
 def test_causal_blocks_without_segments_mask_only_their_diagonal_and_give_unsplit_gradients(
-  length, with_bias, monkeypatch
+  length, with_bias, with_sink, monkeypatch
 ):
   # No segments, no window: each block's mask covers the keys from its first query on (with
   # equal blocks, only the diagonal pairs are masked); the gradients of q, k, v, a learned bias
@@ -374,7 +375,7 @@ def test_causal_blocks_without_segments_mask_only_their_diagonal_and_give_unspli
   q, k, v = _qkv(length=length)
   pos = _positions(length)
   w = _normal((H,), 30)
-  sink = _normal((H,), 31)
+  sink = _normal((H,), 31) if with_sink else jnp.zeros(H)  # no sink: its gradient is zero
   key_bias = _normal((B, length, H), 33) if with_bias else None  # a bias per key, sliced by block
   out_w = _normal((B, length, H, K), 32)
 
@@ -384,8 +385,8 @@ def test_causal_blocks_without_segments_mask_only_their_diagonal_and_give_unspli
         return w[None, :, None, None] * _position_bias(qpos, kpos)
 
       o = attention.dense_attention(
-        q, k, v, pos, pos, causal=True, bias_fn=bias_fn if with_bias else None, sink_H=sink,
-        key_bias_BSH=key_bias,
+        q, k, v, pos, pos, causal=True, bias_fn=bias_fn if with_bias else None,
+        sink_H=sink if with_sink else None, key_bias_BSH=key_bias,
       )  # fmt: skip
       return jnp.sum(jnp.sin(o) * out_w)
 
