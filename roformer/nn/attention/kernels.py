@@ -161,8 +161,8 @@ def dense_attention(
 
 
 def _causal_pairs(q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS, n, bias_fn, key_bias_BSH, sink_GR):
-  """Causal self-attention in n equal blocks through `block_pairs.attend_pairs`: q, k and v laid out
-  [N, B, G, (R,) T, K] in one transpose each (every block a contiguous view), a mask on each
+  """Causal self-attention in n equal blocks through `block_pairs.attend_pairs`: q, k and v
+  laid out [N, B, G, (R,) T, K] in one transpose each (every key written once), a mask on each
   diagonal pair (the keys of earlier blocks are earlier, as `causal_query_blocks` assumes) and
   each pair's bias from the pair's positions."""
   B, L, H, K = q_BLHK.shape
