@@ -91,7 +91,7 @@ def _query_block_fwd(q_BGRTK, key_blocks, sink_GR):
   ]
   l_BG1M = jnp.where(l_BG1M == 0.0, 1.0, l_BG1M)
   oT_BGVM = functools.reduce(jnp.add, evT_blocks) / l_BG1M
-  has_bias = tuple(None if b is None else () for _, _, _, b in key_blocks)  # no array kept
+  has_bias = None if key_blocks[0][3] is None else ()  # every pair's, or none: no array kept
   psink_BG1M = None if sink_GR is None else esink_BG1M / l_BG1M
   o_BGMV = _swap(oT_BGVM)
   return o_BGMV, (qT_BGKM, eT_blocks, l_BG1M, o_BGMV, has_bias, psink_BG1M)
@@ -110,18 +110,18 @@ def _query_block_bwd(residuals, kv_blocks, do_BGMV):
   r_BGM1 = _swap(1.0 / l_BG1M)
   # d logits = p (dp - sum_s p dp), with p = e / l and sum_s p dp = do . o.
   delta_BGM1 = jnp.sum(do_BGMV * o_BGMV, axis=-1, keepdims=True)
-  dor_BGMV = do_BGMV * r_BGM1
+  v_dtype = kv_blocks[0][1].dtype  # do and do / l in the values' dtype
+  dov_BGMV, dor_BGMV = do_BGMV.astype(v_dtype), (do_BGMV * r_BGM1).astype(v_dtype)
   dq_BGMK, grads = None, []
-  for (k_BGEK, vT_BGVE), eT_BGEM, bias in zip(kv_blocks, eT_blocks, has_bias, strict=True):
-    dp_BGME = _nn("bgmv,bgvs->bgms", do_BGMV.astype(vT_BGVE.dtype), vT_BGVE)
+  for (k_BGEK, vT_BGVE), eT_BGEM in zip(kv_blocks, eT_blocks, strict=True):
+    dp_BGME = _nn("bgmv,bgvs->bgms", dov_BGMV, vT_BGVE)
     ds_BGME = _swap(eT_BGEM) * (dp_BGME - delta_BGM1) * r_BGM1
     dq = _nn("bgms,bgsk->bgmk", ds_BGME.astype(k_BGEK.dtype), k_BGEK)
     dq_BGMK = dq if dq_BGMK is None else dq_BGMK + dq
     # The 1 / sqrt(K) of the logits scales the [M, K] and [T, K] products, not the [M, T] one.
     dkT_BGKE = _nn("bgkm,bgms->bgks", qT_BGKM, ds_BGME.astype(qT_BGKM.dtype)) * scale
-    dv_BGEV = _nn("bgsm,bgmv->bgsv", eT_BGEM.astype(vT_BGVE.dtype), dor_BGMV.astype(vT_BGVE.dtype))
-    dkT_BGKE, dv_BGEV = dkT_BGKE.astype(k_BGEK.dtype), dv_BGEV.astype(vT_BGVE.dtype)
-    grads.append((dkT_BGKE, dv_BGEV, None if bias is None else ds_BGME))
+    dv_BGEV = _nn("bgsm,bgmv->bgsv", eT_BGEM.astype(v_dtype), dor_BGMV).astype(v_dtype)
+    grads.append((dkT_BGKE.astype(k_BGEK.dtype), dv_BGEV, None if has_bias is None else ds_BGME))
   # The sink logits' gradient is -sum over batch and rows of p_sink (do . o); per query here.
   dsink_BGM1 = None if psink_BG1M is None else -_swap(psink_BG1M) * delta_BGM1
   return dq_BGMK * scale, grads, dsink_BGM1
@@ -183,9 +183,8 @@ def _pairs_bwd(saved, do_NBGRTV):
     if dsink_BGM1 is not None:
       dsink = dsink_BGM1.reshape(B, G, R, T).sum(axis=(0, 3))
       dsink_GR = dsink if dsink_GR is None else dsink_GR + dsink
-  dk_NBGTK = _swap(jnp.stack(dkT_blocks))
-  stack = jnp.stack
-  return stack(dq_blocks), dk_NBGTK, stack(dv_blocks), (None,) * n, tuple(dbiases), dsink_GR
+  dq_NBGRTK, dkT_NBGKT, dv_NBGTV = (jnp.stack(x) for x in (dq_blocks, dkT_blocks, dv_blocks))
+  return dq_NBGRTK, _swap(dkT_NBGKT), dv_NBGTV, (None,) * n, tuple(dbiases), dsink_GR
 
 
 attend_pairs.defvjp(_pairs_fwd, _pairs_bwd)
