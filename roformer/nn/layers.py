@@ -1,5 +1,7 @@
 """The model's parameterised building blocks from its config: embeddings, dense layers, norms."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -81,6 +83,39 @@ def stacked_dense(x_ND, layers):
     y_NFC = y_NFC + bias_FC[None]
   # split (not indexing): its transpose writes the output gradients in one buffer.
   return tuple(y_NF1[..., 0] for y_NF1 in jnp.split(y_NFC, C, axis=-1))
+
+
+@jax.custom_vjp
+def shared_input_dense(x_ND, kernels):
+  """x @ kernel for each [D, F_i] kernel of `kernels` (a tuple), all reading one input [N, D].
+
+  The weights' gradients x^T dy_i contract the tokens, the major axis of both operands. XLA:CPU
+  runs that either in place, slower than a plain GEMM (the TN form of
+  `benchmarks/attention_products.py`), or, where it can fold a layout change into the producer
+  of dy_i, by writing each dy_i a second time, transposed. Here the
+  forward pass writes x^T once (behind a barrier, so XLA keeps it rather than folding the
+  transpose back into the products) and every weight gradient is a plain [D, N] x [N, F_i] GEMM.
+  """
+  return tuple(jnp.dot(x_ND, kernel_DF) for kernel_DF in kernels)
+
+
+def _shared_input_dense_fwd(x_ND, kernels):
+  xT_DN = jax.lax.optimization_barrier(x_ND.T)
+  return shared_input_dense(x_ND, kernels), (xT_DN, kernels)
+
+
+def _shared_input_dense_bwd(residuals, dys):
+  xT_DN, kernels = residuals
+  dx_ND = functools.reduce(
+    jnp.add, [jnp.dot(dy_NF, kernel_DF.T) for dy_NF, kernel_DF in zip(dys, kernels, strict=True)]
+  )
+  return dx_ND.astype(xT_DN.dtype), tuple(
+    jnp.dot(xT_DN, dy_NF).astype(kernel_DF.dtype)
+    for dy_NF, kernel_DF in zip(dys, kernels, strict=True)
+  )
+
+
+shared_input_dense.defvjp(_shared_input_dense_fwd, _shared_input_dense_bwd)
 
 
 @jax.custom_vjp

@@ -52,3 +52,29 @@ def test_attention_products_table_times_every_form():
   for row in rows:  # a positive rate for each key count
     cells = row.strip("| ").split(" | ")[2:]
     assert len(cells) == 2 and all(float(c.replace(",", "")) > 0 for c in cells)
+
+
+def test_ab_step_traces_b_under_the_variant_and_reports_the_ratio(tmp_path):
+  marker, out = tmp_path / "applied", tmp_path / "ab.json"
+  variant = tmp_path / "variant.py"
+  variant.write_text(
+    "import pathlib\n"
+    "def apply():\n"
+    f"  pathlib.Path({str(marker)!r}).write_text('patched')\n"
+    "  return lambda: None\n"
+  )
+  proc = _run_benchmark("ab_step.py", "--smoke", f"--variant={variant}", f"--json={out}")
+  assert marker.read_text() == "patched"  # B was traced under the patch
+  result = json.loads(out.read_text())
+  assert result["pairs"] == 4
+  assert result["tokens_per_sec_a"] > 0 and result["tokens_per_sec_b"] > 0
+  low, high = result["speed_ratio_quartiles"]
+  assert 0 < low <= result["speed_ratio_median"] <= high
+  assert "B / A speed, median of 4 pairs" in proc.stdout
+  # A file with neither hook is refused with its name.
+  empty = tmp_path / "empty.py"
+  empty.write_text("x = 1\n")
+  cmd = [sys.executable, str(REPO / "benchmarks" / "ab_step.py"), "--smoke", f"--variant={empty}"]
+  proc = subprocess.run(cmd, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True,
+                        text=True, timeout=300)  # fmt: skip
+  assert proc.returncode != 0 and "defines neither apply() nor compiler_options" in proc.stderr

@@ -59,3 +59,33 @@ def test_stacked_dense_equals_the_layers_one_by_one(use_bias):
   g_out, u_out = layers.stacked_dense(x, (gate, up))
   np.testing.assert_allclose(g_out, gate(x), rtol=1e-6)
   np.testing.assert_allclose(u_out, up(x), rtol=1e-6)
+
+
+def test_shared_input_dense_value_and_gradients_match_autodiff_of_the_products():
+  x = _normal((12, 6), 5)
+  kernels = (_normal((6, 4), 6), _normal((6, 10), 7), _normal((6, 4), 8))
+  ws = tuple(_normal((12, k.shape[1]), 9 + i) for i, k in enumerate(kernels))
+
+  def loss(fn):
+    return lambda x, kernels: sum(
+      jnp.sum(jnp.sin(y) * w) for y, w in zip(fn(x, kernels), ws, strict=True)
+    )
+
+  plain = loss(lambda x, kernels: [x @ k for k in kernels])
+  shared = loss(layers.shared_input_dense)
+  for y, k in zip(layers.shared_input_dense(x, kernels), kernels, strict=True):
+    np.testing.assert_allclose(y, x @ k, rtol=1e-6, atol=1e-6)
+  got = jax.grad(shared, argnums=(0, 1))(x, kernels)
+  want = jax.grad(plain, argnums=(0, 1))(x, kernels)
+  for g, w_ in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_allclose(g, w_, rtol=1e-5, atol=1e-5)
+  # Negative control: the input's gradient from the first product alone is far off.
+  first_only = loss(lambda x, ks: [x @ ks[0], *(jax.lax.stop_gradient(x @ k) for k in ks[1:])])
+  one = jax.grad(first_only)(x, kernels)
+  assert np.abs(got[0] - one).max() > 0.1
+  # Under jit the transposed input is kept: no weight gradient contracts the tokens as the
+  # major axis of both operands, as autodiff of the plain products does (the control).
+  tn = "lhs_contracting_dims={0}, rhs_contracting_dims={0}"
+  for fn, has_tn in ((shared, False), (plain, True)):
+    hlo = jax.jit(jax.grad(fn, argnums=1)).lower(x, kernels).compile().as_text()
+    assert (tn in hlo) == has_tn

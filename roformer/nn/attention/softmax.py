@@ -21,7 +21,7 @@ from roformer.nn.attention import forget_gate, fused, kv_cache
 from roformer.nn.attention.kernels import KERNELS, dense_attention
 from roformer.nn.attention.qk_norm import l2_norm, qk_norm_layers
 from roformer.nn.attention.sinks import sink_param
-from roformer.nn.layers import tokens
+from roformer.nn.layers import shared_input_dense, tokens
 from roformer.posenc import POSENCS, QueryScale, layer_configs
 from roformer.posenc.config import PosEncConfig
 from roformer.posenc.layers import kind_list
@@ -214,11 +214,22 @@ class Attention(nnx.Module):
   def qkv(self, x_BLD):
     """Projections (position-wise): x [B, L, D] -> q [B, L, H, K], k and v [B, L, G, K]."""
     B, L, D = x_BLD.shape
-    # Over the tokens as one axis, so the weight gradients contract one axis (see `tokens`).
-    x_ND = tokens(x_BLD)
-    return tuple(
-      p(x_ND).reshape(B, L, *p.kernel.shape[1:]) for p in (self.query, self.key, self.value)
-    )
+    # Over the tokens as one axis, so the weight gradients contract one axis (see `tokens`), and
+    # as one `shared_input_dense`: x^T written once for the three weight gradients. The dtypes
+    # are nnx.Einsum's (its `promote_dtype`).
+    x_ND, projections = tokens(x_BLD), (self.query, self.key, self.value)
+    promoted = [
+      p.promote_dtype((x_ND, p.kernel[...], None if p.bias is None else p.bias[...]), dtype=p.dtype)
+      for p in projections
+    ]
+    kernels = tuple(kernel.reshape(D, -1) for _, kernel, _ in promoted)
+    outputs = []
+    for y_NF, (_, kernel, bias) in zip(
+      shared_input_dense(promoted[0][0], kernels), promoted, strict=True
+    ):
+      y_BLHK = y_NF.reshape(B, L, *kernel.shape[1:])
+      outputs.append(y_BLHK if bias is None else y_BLHK + bias[None, None])
+    return tuple(outputs)
 
   def init_cache(self, batch: int, max_len: int) -> kv_cache.KVCache:
     """An empty cache for generating up to `max_len` tokens (window slots when shorter; the
