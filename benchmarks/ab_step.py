@@ -32,7 +32,7 @@ config_flags.DEFINE_config_file(
 )
 flags.DEFINE_string("variant", None, "Python file with apply() and/or compiler_options.")
 flags.DEFINE_integer("pairs", 40, "Timed pairs of steps (one of each).")
-flags.DEFINE_bool("smoke", False, "Tiny model and a few pairs (a test runs this).")
+flags.DEFINE_bool("smoke", False, "Tiny model and 4 pairs, --pairs aside (a test runs this).")
 flags.DEFINE_string("json", "", "Write the result to this JSON file.")
 flags.mark_flag_as_required("variant")
 FLAGS = flags.FLAGS
@@ -58,7 +58,9 @@ def variant_trainer(run_config, variant):
   options = getattr(variant, "compiler_options", None)
   compile_ = jax.stages.Lowered.compile
   if options:
-    jax.stages.Lowered.compile = lambda self, **kw: compile_(self, compiler_options=options)
+    jax.stages.Lowered.compile = lambda self, *args, **kwargs: compile_(
+      self, *args, **{**kwargs, "compiler_options": options}
+    )
   try:
     return bench_step.JaxTrainer(run_config)
   finally:
@@ -83,7 +85,9 @@ def ab(run_config, variant, pairs: int) -> dict:
   print(file=sys.stderr)
   tokens = run_config.train.global_batch_size * run_config.data.seq_len
   ratios = [a / b for a, b in zip(seconds_a, seconds_b, strict=True)]
-  low, _, high = statistics.quantiles(ratios, n=4) if pairs > 1 else (ratios[0],) * 3
+  low, _, high = (
+    statistics.quantiles(ratios, n=4, method="inclusive") if pairs > 1 else (ratios[0],) * 3
+  )
   return {
     "pairs": pairs,
     "tokens_per_sec_a": tokens / statistics.median(seconds_a),

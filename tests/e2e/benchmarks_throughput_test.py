@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from roformer.testing import REPO
 
 
@@ -55,26 +57,48 @@ def test_attention_products_table_times_every_form():
 
 
 def test_ab_step_traces_b_under_the_variant_and_reports_the_ratio(tmp_path):
-  marker, out = tmp_path / "applied", tmp_path / "ab.json"
+  # B's attention sleeps 50 ms per step (a host callback traced into B's step only): B must come
+  # out slower than A, and the patch must be undone after B is traced.
+  undone, out = tmp_path / "undone", tmp_path / "ab.json"
   variant = tmp_path / "variant.py"
   variant.write_text(
-    "import pathlib\n"
+    "import pathlib, time\n"
+    "import jax\n"
+    "from roformer.nn.attention import softmax\n"
     "def apply():\n"
-    f"  pathlib.Path({str(marker)!r}).write_text('patched')\n"
-    "  return lambda: None\n"
+    "  old = softmax.Attention.qkv\n"
+    "  def slow(self, x):\n"
+    "    jax.debug.callback(lambda: time.sleep(0.05))\n"
+    "    return old(self, x)\n"
+    "  softmax.Attention.qkv = slow\n"
+    "  def undo():\n"
+    "    softmax.Attention.qkv = old\n"
+    f"    pathlib.Path({str(undone)!r}).write_text('undone')\n"
+    "  return undo\n"
   )
   proc = _run_benchmark("ab_step.py", "--smoke", f"--variant={variant}", f"--json={out}")
-  assert marker.read_text() == "patched"  # B was traced under the patch
+  assert undone.read_text() == "undone"
   result = json.loads(out.read_text())
   assert result["pairs"] == 4
-  assert result["tokens_per_sec_a"] > 0 and result["tokens_per_sec_b"] > 0
+  assert result["tokens_per_sec_b"] < result["tokens_per_sec_a"]
   low, high = result["speed_ratio_quartiles"]
-  assert 0 < low <= result["speed_ratio_median"] <= high
+  assert 0 < low <= result["speed_ratio_median"] <= high < 1  # B / A speed: B is the slow one
   assert "B / A speed, median of 4 pairs" in proc.stdout
-  # A file with neither hook is refused with its name.
-  empty = tmp_path / "empty.py"
-  empty.write_text("x = 1\n")
-  cmd = [sys.executable, str(REPO / "benchmarks" / "ab_step.py"), "--smoke", f"--variant={empty}"]
-  proc = subprocess.run(cmd, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True,
-                        text=True, timeout=300)  # fmt: skip
-  assert proc.returncode != 0 and "defines neither apply() nor compiler_options" in proc.stderr
+
+
+@pytest.mark.parametrize(
+  "text, message",
+  [
+    ("x = 1\n", "defines neither apply() nor compiler_options"),
+    ("compiler_options = {'xla_no_such_option': True}\n", "xla_no_such_option"),
+  ],
+)
+def test_ab_step_refuses_a_variant_without_hooks_and_passes_compiler_options(
+  tmp_path, text, message
+):
+  variant = tmp_path / "variant.py"
+  variant.write_text(text)
+  cmd = [sys.executable, str(REPO / "benchmarks" / "ab_step.py"), "--smoke", f"--variant={variant}"]
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode != 0 and message in proc.stderr
