@@ -92,9 +92,9 @@ def shared_input_dense(x_ND, kernels):
   The weights' gradients x^T dy_i contract the tokens, the major axis of both operands. XLA:CPU
   runs that either in place, slower than a plain GEMM (the TN form of
   `benchmarks/attention_products.py`), or, where it can fold a layout change into the producer
-  of dy_i, by writing each dy_i a second time, transposed. Here the
-  forward pass writes x^T once (behind a barrier, so XLA keeps it rather than folding the
-  transpose back into the products) and every weight gradient is a plain [D, N] x [N, F_i] GEMM.
+  of dy_i, by writing each dy_i a second time, transposed. Here the forward pass writes x^T
+  once (behind a barrier, so XLA keeps it rather than folding the transpose back into the
+  products) and every weight gradient is a plain [D, N] x [N, F_i] GEMM.
   """
   return tuple(jnp.dot(x_ND, kernel_DF) for kernel_DF in kernels)
 
