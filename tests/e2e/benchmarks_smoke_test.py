@@ -50,7 +50,7 @@ CASES = {
       r"^\| forward \| [\d.,]+ \| [\d.]+% \|",
       r"^\| backward \| [\d.,]+ \| [\d.]+% \|",
       r"^\| update \| [\d.,]+ \| [\d.]+% \|",
-      r"^\| backward \| dot_general \.\.\.D,DGK->\.\.\.GK \|",  # einsum specs name the matmuls
+      r"^\| backward \| dot_general \.\.\.HK,HKD->\.\.\.D \|",  # einsum specs name the matmuls
       r"^\| [\w.\-]+ \| dot \| f32\[",
     ],
   ),
