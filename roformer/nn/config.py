@@ -59,7 +59,7 @@ class ModelConfig:
   type_vocab_size: int = 0  # 0 = no token-type embeddings (HF RoFormer has 2)
   dtype: str = "float32"  # compute dtype: float32 | bfloat16
   param_dtype: str = "float32"
-  attention_impl: str = "auto"  # dense | chunked | auto | splash | flash_bias | cudnn (fused.py)
+  attention_impl: str = "auto"  # dense | chunked | auto | cpu_flash | splash | flash_bias | cudnn
   # Query/key block of the chunked kernel, and the sequence block of position-wise layers.
   attention_block: int = 512
   attention_window: int = 0  # sliding window: keys within this many positions of the query; 0 = all

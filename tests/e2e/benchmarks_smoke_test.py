@@ -15,6 +15,13 @@ CASES = {
     ["--steps=3", "--seq_len=64", "--global_batch_size=4", "--tokenizers=bytes"],
     [r"^\| bytes \| decoder \| [\d,]+ \|", r"^\| bytes \| encoder \| [\d,]+ \|"],
   ),
+  "cpu_attention": (
+    ["--smoke"],  # 2 x 64 tokens: the fused kernel and the XLA kernels, forward and backward
+    [
+      r"^\| 64 \| cpu_flash \| [\d.,]+ \| [\d.,]+ \|",
+      r"^\| 64 \| XLA kernels \| [\d.,]+ \| [\d.,]+ \|",
+    ],
+  ),
   "eval_speed": (
     ["--smoke"],  # 1 layer x 32 at 64 and 256 tokens: one dense, one chunked
     [r"^\| 64 \| [\d,]+ \| [\d.]+ \| - \| - \|", r"^\| 256 \| [\d,]+ \| [\d.]+ \| - \| - \|"],

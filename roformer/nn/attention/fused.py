@@ -221,7 +221,7 @@ def _head_width(q_BLHK, v_BSGV, lanes: bool) -> int:
   width = max(q_BLHK.shape[-1], v_BSGV.shape[-1])
   lanes = lanes if PAD_HEAD_DIM is None else PAD_HEAD_DIM
   if lanes and width % LANES:
-    _log_once(f"attention head dim {width} padded to {_round_up(width, LANES)} (TPU lanes)")
+    log_once(f"attention head dim {width} padded to {_round_up(width, LANES)} (TPU lanes)")
   return _round_up(width, LANES) if lanes else width
 
 
@@ -550,13 +550,13 @@ def pick_fused(q_BLHK, kwargs, bias_BHLS, platform: str, factors=None) -> str | 
       fold_width=0 if factors is None else factors[1].shape[-1],
     )
     if reason is None:
-      _log_once(f"attention_impl=auto, q {tuple(q_BLHK.shape)}: {kernel}")
+      log_once(f"attention_impl=auto, q {tuple(q_BLHK.shape)}: {kernel}")
       return kernel
-    _log_once(f"attention_impl=auto, q {tuple(q_BLHK.shape)}: not {kernel}, {reason}")
+    log_once(f"attention_impl=auto, q {tuple(q_BLHK.shape)}: not {kernel}, {reason}")
   return None
 
 
 @functools.cache
-def _log_once(message: str) -> None:
+def log_once(message: str) -> None:
   # Tracing runs once per compile, and each message is logged once per process.
   logging.info(message)

@@ -1,5 +1,6 @@
 """The interchangeable attention kernels: dense, chunked (online softmax over key blocks), auto,
-and JAX's fused kernels (fused.py: splash, flash_bias, cudnn).
+JAX's fused kernels (fused.py: splash, flash_bias, cudnn) and the fused CPU kernel
+(cpu_flash.py).
 
 Dimension legend: B batch, L query length, S key length, H query heads, G key/value heads,
 R = H // G query heads per key/value head, K head dim, D model dim. Queries and keys may be wider
@@ -12,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from roformer.nn.attention import banded, fused, sinks
+from roformer.nn.attention import banded, cpu_flash, fused, sinks
 from roformer.nn.attention.block_pairs import attend_pairs, pairs
 from roformer.nn.attention.blocks import attend_spans, logits, rows_einsum
 from roformer.nn.attention.piecewise import pieces_cover, piecewise_scores
@@ -374,11 +375,22 @@ def chunked_attention(
 
 def auto_attention(q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS, *, block: int = 512, **kwargs):
   """On a TPU or GPU, the fastest fused kernel the call fits (`fused.pick_fused`: splash, then
-  flash_bias on a TPU; cudnn on a GPU), for self-attention. Otherwise, and always on a CPU:
-  `dense` when L * S <= block**2 (small enough to materialise) or with a content bias (which only
-  `dense` computes), else `chunked`."""
+  flash_bias on a TPU; cudnn on a GPU), for self-attention; on a CPU `cpu_flash` when the call
+  fits it and the kernel built. Otherwise `dense` when L * S <= block**2 (small enough to
+  materialise) or with a content bias (which only `dense` computes), else `chunked`."""
   L, S = q_BLHK.shape[1], k_BSGK.shape[1]
   platform = fused.target_platform()
+  if platform == "cpu":
+    reason = (
+      cpu_flash.misfit(q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS, kwargs, platform)
+      or cpu_flash.unavailable()
+    )
+    fused.log_once(
+      f"attention_impl=auto, q {tuple(q_BLHK.shape)}: "
+      + ("cpu_flash" if reason is None else f"not cpu_flash, {reason}")
+    )
+    if reason is None:
+      return cpu_flash.cpu_flash_attention(q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS, **kwargs)
   if platform in ("tpu", "gpu") and L == S:
     probe, factors = fused.probe_bias(kwargs, qpos_BL, kpos_BS)
     if kernel := fused.pick_fused(q_BLHK, kwargs, probe, platform, factors):
@@ -394,4 +406,5 @@ KERNELS = {
   "chunked": chunked_attention,
   "auto": auto_attention,
   **fused.FUSED,
+  "cpu_flash": cpu_flash.cpu_flash_attention,
 }

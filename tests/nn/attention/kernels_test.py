@@ -1,12 +1,14 @@
 """roformer/nn/attention/kernels.py: kernels agree with each other and with a naive reference."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from roformer.nn.attention import block_pairs, blocks, softmax
+from roformer.nn.attention import block_pairs, blocks, cpu_flash, softmax
 from roformer.nn.attention import kernels as attention
 from roformer.posenc import POSENCS, make_posenc
 from roformer.posenc.config import PosEncConfig, RopeScaling
@@ -270,13 +272,18 @@ def test_chunked_gradients_match_dense(kind):
     np.testing.assert_allclose(got, want, atol=1e-5 * max(1.0, float(jnp.abs(want).max())))
 
 
-def test_auto_picks_dense_for_short_and_chunked_for_long_inputs():
+def test_auto_picks_dense_for_short_and_chunked_for_long_inputs(monkeypatch):
+  """Without the fused CPU kernel (which auto prefers on a CPU, at any length)."""
   q, k, v = _qkv()
   pos = _positions()
 
   def auto(q, block):
     return attention.auto_attention(q, k, v, pos, pos, causal=True, block=block)
 
+  assert "scan" not in str(jax.make_jaxpr(auto, static_argnums=1)(q, 8))  # cpu_flash
+  assert "ffi_call" in str(jax.make_jaxpr(auto, static_argnums=1)(q, 8))
+  monkeypatch.setattr(cpu_flash, "unavailable", lambda: "not built")
+  auto = functools.partial(auto)  # traced anew, not from the cache of the calls above
   assert "scan" not in str(jax.make_jaxpr(auto, static_argnums=1)(q, 64))
   assert "scan" in str(jax.make_jaxpr(auto, static_argnums=1)(q, 8))
 
