@@ -36,14 +36,11 @@ namespace ffi = xla::ffi;
 namespace {
 
 typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4), may_alias));  // unaligned access
 
-inline v16 load(const float* p) {
-  v16 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
+inline v16 load(const float* p) { return *reinterpret_cast<const v16u*>(p); }
 
-inline void store(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
+inline void store(float* p, v16 v) { *reinterpret_cast<v16u*>(p) = v; }
 
 // C[4, 16 NV] (+)= A[4, Kd] B[Kd, 16 NV]; A(r, p) = A[r rsa + p csa], B(p, c) = B[p ldb + c].
 template <int NV>
