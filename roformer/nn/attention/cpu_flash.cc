@@ -7,9 +7,11 @@
 // sequence (train.py, eval.py), the assumption the dense kernel's causal blocks make too.
 //
 // Forward, one unit per (batch, query head, block of T query rows): the scores of the block
-// over the keys up to its last row, s = q k^T [T, keys], stay in a per-thread buffer (at
-// L = 512 and T = 64 that is 128 KiB, in L2), the softmax runs over whole rows (no running
-// rescale), then o = p v / l. The log-sum-exp of each row is kept for the backward pass.
+// over the keys up to its last row are computed transposed, s^T = k q^T [keys, T], in chunks
+// of KEY_CHUNK keys that stay in a per-thread buffer (128 KiB at T = 64, in L2); the softmax
+// runs down each chunk's columns, vectorised along the queries, rescaling the sums of earlier
+// chunks to the new maximum (at L <= KEY_CHUNK one chunk: no rescale), and o = p v / l. The
+// log-sum-exp of each row is kept for the backward pass.
 // Backward, one unit per (batch, key-value head), so that dk and dv accumulate in one thread:
 // for each query head of the group and each query block, p is recomputed from the scores and
 // the log-sum-exp, then
@@ -124,6 +126,10 @@ void parallel_units(ffi::ThreadPool& pool, int64_t n, F fn) {
   while (state->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
 }
 
+// Keys per chunk of the forward pass's scores: [512, T] floats (128 KiB at T = 64) stay in L2
+// at any length.
+constexpr int64_t KEY_CHUNK = 512;
+
 struct Shape {
   int64_t B, L, H, G, D;
   int64_t R() const { return H / G; }
@@ -175,36 +181,49 @@ ffi::Error FwdImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ff
     const float* kb = kp + b * s.L * ks + g * s.D;
     const float* vb = vp + b * s.L * ks + g * s.D;
     float* qT = scratch(tls_a, s.D * T);
-    float* sT = scratch(tls_b, n * T);  // scores transposed: [keys, queries]
-    float* acc = scratch(tls_c, 3 * T);
-    float *m = acc, *l = acc + T, *inv_l = acc + 2 * T;
-    pack_transposed(qi, T, qs, s.D, qT);
-    gemm(n, T, s.D, kb, ks, 1, qT, T, sT, T, false);
-    // Key c is masked for query r when c > q0 + r: only in the last T rows (the diagonal block).
-    for (int64_t j = 0; j < T; ++j)
-      for (int64_t r = 0; r < j; ++r) sT[(q0 + j) * T + r] = -INFINITY;
-    // The softmax runs down the columns (one per query), vectorised along the queries.
-    std::fill(m, m + T, -INFINITY);
-    for (int64_t c = 0; c < n; ++c)
-      for (int64_t r = 0; r < T; ++r) m[r] = std::max(m[r], sT[c * T + r]);
-    for (int64_t r = 0; r < T; ++r) m[r] *= scale;
-    std::fill(l, l + T, 0.0f);
-    for (int64_t c = 0; c < n; ++c) {
-      float* row = sT + c * T;
-      for (int64_t r = 0; r < T; ++r) {
-        row[r] = exp_nonpositive(row[r] * scale - m[r]);  // exp(-inf) is 0
-        l[r] += row[r];
-      }
-    }
+    float* sT = scratch(tls_b, std::min(n, KEY_CHUNK) * T);  // scores transposed: [keys, queries]
+    float* acc = scratch(tls_c, 4 * T);
+    float *m = acc, *l = acc + T, *m_new = acc + 2 * T, *alpha = acc + 3 * T;
     float* oi = op + (b * s.L + q0) * qs + h * s.D;
     float* li = lp + (b * s.H + h) * s.L + q0;
+    pack_transposed(qi, T, qs, s.D, qT);
+    std::fill(m, m + T, -INFINITY);
+    std::fill(l, l + T, 0.0f);
+    for (int64_t c0 = 0; c0 < n; c0 += KEY_CHUNK) {
+      const int64_t nc = std::min(KEY_CHUNK, n - c0);
+      gemm(nc, T, s.D, kb + c0 * ks, ks, 1, qT, T, sT, T, false);
+      // Key c is masked for query r when c > q0 + r: only in the diagonal block (keys q0 on).
+      for (int64_t c = std::max(c0, q0); c < c0 + nc; ++c)
+        for (int64_t r = 0; r < c - q0; ++r) sT[(c - c0) * T + r] = -INFINITY;
+      // The softmax runs down the columns (one per query), vectorised along the queries; over
+      // the keys in chunks, each rescaling the sums so far to its new maximum (no query has
+      // all keys of a chunk masked: every chunk starts at or before the diagonal block).
+      for (int64_t r = 0; r < T; ++r) m_new[r] = sT[r];
+      for (int64_t c = 1; c < nc; ++c)
+        for (int64_t r = 0; r < T; ++r) m_new[r] = std::max(m_new[r], sT[c * T + r]);
+      for (int64_t r = 0; r < T; ++r) {
+        m_new[r] = std::max(m[r], m_new[r] * scale);
+        alpha[r] = exp_nonpositive(m[r] - m_new[r]);  // 0 before the first chunk
+        l[r] *= alpha[r];
+        m[r] = m_new[r];
+      }
+      for (int64_t c = 0; c < nc; ++c) {
+        float* row = sT + c * T;
+        for (int64_t r = 0; r < T; ++r) {
+          row[r] = exp_nonpositive(row[r] * scale - m[r]);  // exp(-inf) is 0
+          l[r] += row[r];
+        }
+      }
+      if (c0 > 0)
+        for (int64_t r = 0; r < T; ++r)
+          for (int64_t d = 0; d < s.D; ++d) oi[r * qs + d] *= alpha[r];
+      gemm(T, s.D, nc, sT, 1, T, vb + c0 * ks, ks, oi, qs, c0 > 0);  // o += (sT)^T v
+    }
     for (int64_t r = 0; r < T; ++r) {
       li[r] = m[r] + std::log(l[r]);
-      inv_l[r] = 1.0f / l[r];
+      const float inv_l = 1.0f / l[r];
+      for (int64_t d = 0; d < s.D; ++d) oi[r * qs + d] *= inv_l;
     }
-    gemm(T, s.D, n, sT, 1, T, vb, ks, oi, qs, false);  // o = (sT)^T v
-    for (int64_t r = 0; r < T; ++r)
-      for (int64_t d = 0; d < s.D; ++d) oi[r * qs + d] *= inv_l[r];
   });
   return ffi::Error::Success();
 }

@@ -46,6 +46,7 @@ def _max_errors(got, want):
     (2, 37, 4, 2, 24, 24),  # GQA; length and head dim padded
     (1, 130, 2, 1, 64, 64),  # MQA over three blocks, the last one short
     (2, 70, 2, 2, 16, 8),  # values narrower than queries and keys (PoPE)
+    (1, 1100, 2, 1, 16, 16),  # keys in three chunks of the forward pass's softmax
   ],
 )
 def test_cpu_flash_equals_dense_in_outputs_and_gradients(B, L, H, G, K, V):
