@@ -2,8 +2,9 @@
 
 Scores one window of each length (batch 1, every token scored) with a randomly initialised
 model of the config's shape through `roformer.evals.perplexity.evaluate_at_length`, the function
-eval.py runs (blockwise: sequence blocks of the layers and the chunked attention kernel beyond
-`model.attention_block`, so memory stays linear in the length). With --compare_hf the Hugging
+eval.py runs (blockwise: sequence blocks of the layers, and attention through `auto`: on a CPU
+the fused `cpu_flash` kernel, elsewhere the chunked kernel beyond `model.attention_block`, so
+memory stays linear in the length). With --compare_hf the Hugging
 Face decoder of the same shape (benchmarks/hf_counterpart.py: LlamaForCausalLM or
 GPTNeoXForCausalLM, float32, SDPA attention) computes the same loss under torch.no_grad() on the
 same tokens, alternating with ours repeat by repeat; the table gives the medians and their
