@@ -9,7 +9,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from roformer import testing
 from roformer.nn.attention import cpu_flash, kernels
@@ -146,29 +145,8 @@ def test_without_a_compiler_auto_falls_back_and_cpu_flash_says_why(no_compiler):
 def test_cpu_flash_in_the_model_equals_dense_in_a_training_step():
   """A GQA decoder with QK-norm: the loss and every parameter gradient through cpu_flash equal
   the dense kernel's."""
-  from roformer.nn.config import ModelConfig
-  from roformer.nn.model import make_model
-  from roformer.posenc.config import PosEncConfig
 
-  def loss_and_grads(impl):
-    cfg = ModelConfig(
-      kind="decoder", vocab_size=64, num_layers=2, emb_dim=32, num_heads=4, num_kv_heads=2,
-      mlp_dim=64, qk_norm="rmsnorm", attention_impl=impl, posenc=PosEncConfig(kind="rope"),
-    )  # fmt: skip
-    model = make_model(cfg, rngs=nnx.Rngs(0))
-    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 100)), jnp.int32)
-    positions = jnp.broadcast_to(jnp.arange(100), (2, 100))
-
-    def loss(model):
-      logits = model(tokens, positions)
-      return -jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[..., None], -1).mean()
-
-    return nnx.value_and_grad(loss)(model)
-
-  (l_dense, g_dense), (l_flash, g_flash) = loss_and_grads("dense"), loss_and_grads("cpu_flash")
-  assert abs(float(l_dense - l_flash)) < 1e-6
-  for a, b in zip(jax.tree.leaves(g_flash), jax.tree.leaves(g_dense), strict=True):
-    np.testing.assert_allclose(a, b, atol=TOL * max(1.0, float(jnp.abs(b).max())))
+  testing.assert_training_step_equals_dense("cpu_flash", TOL, num_kv_heads=2, qk_norm="rmsnorm")
 
 
 SHARDED = """

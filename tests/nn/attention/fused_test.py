@@ -411,29 +411,8 @@ def test_splash_in_the_model_equals_dense_in_a_training_step(case):
   dense kernel's (the attention layers' own paths: projections, QK-norm, sinks, GQA, MLA's
   latent keys, whose queries and keys are wider than its values, and the biases folded into q
   and k, FoX's gate learning through its key factor)."""
-  from roformer.nn.config import ModelConfig
-  from roformer.nn.model import make_model
 
-  def loss_and_grads(impl):
-    fields = dict(MODEL_CASES[case])
-    cfg = ModelConfig(
-      kind="decoder", vocab_size=64, num_layers=2, emb_dim=32, num_heads=4, mlp_dim=64,
-      attention_impl=impl, posenc=PosEncConfig(kind=fields.pop("posenc", "rope")), **fields,
-    )  # fmt: skip
-    model = make_model(cfg, rngs=nnx.Rngs(0))
-    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 100)), jnp.int32)
-    positions = jnp.broadcast_to(jnp.arange(100), (2, 100))
-
-    def loss(model):
-      logits = model(tokens, positions)
-      return -jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[..., None], -1).mean()
-
-    return nnx.value_and_grad(loss)(model)
-
-  (l_dense, g_dense), (l_splash, g_splash) = loss_and_grads("dense"), loss_and_grads("splash")
-  assert abs(float(l_dense - l_splash)) < 1e-6
-  for a, b in zip(jax.tree.leaves(g_splash), jax.tree.leaves(g_dense), strict=True):
-    np.testing.assert_allclose(a, b, atol=TOL * max(1.0, float(jnp.abs(b).max())))
+  testing.assert_training_step_equals_dense("splash", TOL, **MODEL_CASES[case])
 
 
 SHARDED = """
