@@ -87,9 +87,10 @@ void gemm(int64_t M, int64_t N, int64_t Kd, const float* A, int64_t rsa, int64_t
 // is exact), e^r by its Taylor polynomial to degree 7, 2^n into the exponent bits. A plain loop
 // over this vectorises. Below -87 the result is flushed to 0.
 inline float exp_nonpositive(float x) {
-  const float t = x * 1.44269504088896341f;
+  const float xc = std::max(x, -88.0f);  // keeps the integer conversions below defined
+  const float t = xc * 1.44269504088896341f;
   const float n = std::nearbyint(t);
-  const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+  const float r = (xc - n * 0.693359375f) - n * -2.12194440e-4f;
   float p = 1.0f / 5040.0f;
   p = p * r + 1.0f / 720.0f;
   p = p * r + 1.0f / 120.0f;

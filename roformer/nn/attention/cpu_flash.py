@@ -28,6 +28,7 @@ import hashlib
 import math
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -60,8 +61,12 @@ def _cpu_features() -> str:
   return platform.processor() or platform.machine()
 
 
-def _compiler() -> str | None:
-  return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+def _compiler() -> list[str] | None:
+  """The compiler's command: $CXX (which may hold arguments, e.g. "ccache g++"), else c++."""
+  if os.environ.get("CXX"):
+    return shlex.split(os.environ["CXX"])
+  found = shutil.which("c++") or shutil.which("g++")
+  return [found] if found else None
 
 
 @functools.cache
@@ -75,7 +80,7 @@ def build() -> str:
     source = f.read()
   key = hashlib.sha256(
     b"\0".join([source, " ".join(FLAGS).encode(), jax.lib.__version__.encode(),
-                _cpu_features().encode(), cxx.encode()])
+                _cpu_features().encode(), " ".join(cxx).encode()])
   ).hexdigest()[:16]  # fmt: skip
   cache = os.environ.get("ROFORMER_CACHE") or os.path.expanduser("~/.cache/roformer-jax")
   path = os.path.join(cache, f"cpu_flash-{key}.so")
@@ -85,7 +90,7 @@ def build() -> str:
   logging.info("building the CPU attention kernel (once per machine): %s", path)
   fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)  # renamed into place: no torn file
   os.close(fd)
-  cmd = [cxx, *FLAGS, "-I", jax.ffi.include_dir(), SOURCE, "-o", tmp]
+  cmd = [*cxx, *FLAGS, "-I", jax.ffi.include_dir(), SOURCE, "-o", tmp]
   try:
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
   except (OSError, subprocess.TimeoutExpired) as e:
@@ -113,8 +118,10 @@ def _register(path: str) -> None:
 _REGISTERED: set[str] = set()
 
 
+@functools.cache
 def unavailable() -> str | None:
-  """Why the kernel cannot run on this machine (it failed to build or load), or None."""
+  """Why the kernel cannot run on this machine (it failed to build or load), or None. Cached:
+  a failed build is not retried for every attention call of every trace."""
   try:
     _register(build())
   except (RuntimeError, OSError) as e:
@@ -135,6 +142,7 @@ def misfit(q_BLHK, k_BSGK, v_BSGV, qpos_BL, kpos_BS, kwargs, platform_: str) -> 
   if dtypes != {"float32"}:
     return f"it runs float32, not {'/'.join(sorted(dtypes))} (model.dtype)"
   features = fused._features(kwargs, fused.probe_bias(kwargs, qpos_BL, kpos_BS)[0])
+  features["segments"] |= kwargs.get("kseg_BS") is not None
   reason = fused.fused_misfit("cpu_flash", **features)
   if reason is not None:
     return reason
