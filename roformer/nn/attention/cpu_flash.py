@@ -199,6 +199,12 @@ def cpu_flash_attention(q_BLHK, k_BSGK, v_BSGV, qpos_BL, kpos_BS, **kwargs):
   )
   if (reason := unavailable()) is not None:
     raise RuntimeError(f"model.attention_impl='cpu_flash' cannot run: {reason}")
+  return attend(q_BLHK, k_BSGK, v_BSGV)
+
+
+def attend(q_BLHK, k_BSGK, v_BSGV):
+  """The kernel on a call already found to fit it (`misfit` None, the library built): what
+  `auto` runs after its own checks."""
   B, L, H, K = q_BLHK.shape
   G, V = k_BSGK.shape[2], v_BSGV.shape[3]
   P, W = fused._round_up(L, BLOCK), fused._round_up(max(K, V), 16)

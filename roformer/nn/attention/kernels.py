@@ -390,7 +390,7 @@ def auto_attention(q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS, *, block: int = 512
       + ("cpu_flash" if reason is None else f"not cpu_flash, {reason}")
     )
     if reason is None:
-      return cpu_flash.cpu_flash_attention(q_BLHK, k_BSGK, v_BSGK, qpos_BL, kpos_BS, **kwargs)
+      return cpu_flash.attend(q_BLHK, k_BSGK, v_BSGK)
   if platform in ("tpu", "gpu") and L == S:
     probe, factors = fused.probe_bias(kwargs, qpos_BL, kpos_BS)
     if kernel := fused.pick_fused(q_BLHK, kwargs, probe, platform, factors):

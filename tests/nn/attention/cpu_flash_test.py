@@ -72,10 +72,8 @@ def test_cpu_flash_equals_dense_in_outputs_and_gradients(B, L, H, G, K, V):
 
 def test_auto_on_cpu_runs_cpu_flash_for_plain_causal_self_attention_only(monkeypatch):
   calls = []
-  real = cpu_flash.cpu_flash_attention
-  monkeypatch.setattr(
-    cpu_flash, "cpu_flash_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw)
-  )
+  real = cpu_flash.attend
+  monkeypatch.setattr(cpu_flash, "attend", lambda *a: calls.append(1) or real(*a))
   q, k, v, _, pos = _inputs(2, 40, 4, 2, 16)
   for kwargs, used in [
     (dict(causal=True), True),
@@ -116,6 +114,10 @@ def test_cpu_flash_refuses_what_it_cannot_run_in_one_line(kwargs, message):
     ValueError, match=f"attention_impl='cpu_flash' cannot run this attention: .*{message}"
   ):
     cpu_flash.cpu_flash_attention(q, k, v, pos, pos, **kwargs)
+
+
+def test_cpu_flash_refuses_16_bit_inputs_in_one_line():
+  q, k, v, _, pos = _inputs(2, 40, 4, 2, 16)
   with pytest.raises(ValueError, match="float32"):
     cpu_flash.cpu_flash_attention(
       *(x.astype(jnp.bfloat16) for x in (q, k, v)), pos, pos, causal=True
