@@ -44,14 +44,15 @@ def run_config(config):
   return config_lib.run_config_from_dict(config, vocab_size=vocab)
 
 
-def run_config_or_exit(prog: str, config):
+def run_config_or_exit(prog: str, config, keep_freed_memory: bool = True):
   """`run_config(config)` after XLA's CPU flags are set as train.py sets them (before JAX
-  starts); a config error is printed as `PROG: error: ...` and exits with status 1."""
+  starts; `keep_freed_memory=False` leaves glibc's malloc at its defaults); a config error is
+  printed as `PROG: error: ...` and exits with status 1."""
   import sys
 
   from roformer.infra import cpu_flags
 
-  cpu_flags.set_default_cpu_flags()
+  cpu_flags.set_default_cpu_flags(keep_freed_memory=keep_freed_memory)
   from roformer import config as config_lib
 
   try:

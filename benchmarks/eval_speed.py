@@ -39,6 +39,13 @@ config_flags.DEFINE_config_file(
 flags.DEFINE_list("lengths", ["2048", "8192", "32768"], "Window lengths to score.")
 flags.DEFINE_integer("repeats", 3, "Alternating timed repeats per length; the median is reported.")
 flags.DEFINE_bool("compare_hf", False, "Time Hugging Face's PyTorch forward of the same shape.")
+flags.DEFINE_bool(
+  "keep_freed_memory",
+  None,
+  "glibc's malloc keeps freed memory for reuse, as train.py sets it (roformer.infra.cpu_flags)."
+  " Default: on, but off with --compare_hf: the setting speeds PyTorch up too, and the HF side"
+  " should run as its users run it.",
+)
 flags.DEFINE_bool("smoke", False, "Tiny model and short lengths (a test runs this).")
 flags.DEFINE_string("json", "", "Write the results to this JSON file.")
 FLAGS = flags.FLAGS
@@ -163,7 +170,10 @@ def main(argv):
   if FLAGS.compare_hf and (missing := hf_counterpart.missing()):
     print(f"eval_speed.py: error: {missing}", file=sys.stderr)
     sys.exit(1)
-  run_config = bench_step.run_config_or_exit("eval_speed.py", config)
+  keep = FLAGS.keep_freed_memory
+  run_config = bench_step.run_config_or_exit(
+    "eval_speed.py", config, keep_freed_memory=not FLAGS.compare_hf if keep is None else keep
+  )
   if run_config.model.kind != "decoder":
     print("eval_speed.py: error: model.kind must be 'decoder' (use configs/lm.py)", file=sys.stderr)
     sys.exit(1)

@@ -24,7 +24,9 @@ truncated or scaled RoPE) the table says what differs. A decoder that neither fa
 field. With
 --config.model.dtype=bfloat16 the PyTorch forward runs under torch.autocast("cpu", bfloat16), the
 counterpart of our bfloat16 compute with float32 weights. Both use every core, so run it on an
-otherwise idle machine.
+otherwise idle machine. Both run with glibc's default malloc under --compare_hf: train.py's
+`keep_freed_host_memory` (roformer.infra.cpu_flags) speeds PyTorch up as well, often more, and
+a user of the HF model runs without it; --keep_freed_memory turns it on for both sides.
 
   JAX_PLATFORMS=cpu python benchmarks/throughput.py --config=configs/mlm.py \
     --config.model.num_layers=4 --config.model.emb_dim=256 --config.model.num_heads=4 \
@@ -65,6 +67,13 @@ flags.DEFINE_integer("warmup", 2, "Untimed steps after compiling.")
 flags.DEFINE_integer("peak_size", 2048, "Side of the square matmul that measures the peak.")
 flags.DEFINE_bool(
   "compare_hf", False, "Also time the Hugging Face PyTorch model of the same shape (see above)."
+)
+flags.DEFINE_bool(
+  "keep_freed_memory",
+  None,
+  "glibc's malloc keeps freed memory for reuse, as train.py sets it (roformer.infra.cpu_flags)."
+  " Default: on, but off with --compare_hf: the setting speeds PyTorch up too, and the HF side"
+  " should run as its users run it.",
 )
 flags.DEFINE_bool("smoke", False, "Tiny model and a few steps (a test runs this).")
 flags.DEFINE_string("json", "", "Write the results to this JSON file.")
@@ -238,7 +247,10 @@ def main(argv):
   if FLAGS.compare_hf and (missing := hf_counterpart.missing()):
     print(f"throughput.py: error: {missing}", file=sys.stderr)
     sys.exit(1)
-  run_config = bench_step.run_config_or_exit("throughput.py", config)
+  keep = FLAGS.keep_freed_memory
+  run_config = bench_step.run_config_or_exit(
+    "throughput.py", config, keep_freed_memory=not FLAGS.compare_hf if keep is None else keep
+  )
   try:
     result = benchmark(
       run_config,

@@ -44,42 +44,54 @@ inline v16 load(const float* p) { return *reinterpret_cast<const v16u*>(p); }
 
 inline void store(float* p, v16 v) { *reinterpret_cast<v16u*>(p) = v; }
 
-// C[4, 16 NV] (+)= A[4, Kd] B[Kd, 16 NV]; A(r, p) = A[r rsa + p csa], B(p, c) = B[p ldb + c].
-template <int NV>
+// C[R, 16 NV] (+)= A[R, Kd] B[Kd, 16 NV]; A(r, p) = A[r rsa + p csa], B(p, c) = B[p ldb + c].
+template <int R, int NV>
 inline void tile(int64_t Kd, const float* A, int64_t rsa, int64_t csa, const float* B,
                  int64_t ldb, float* C, int64_t ldc, bool accumulate) {
-  v16 acc[4][NV];
-  for (int r = 0; r < 4; ++r)
+  v16 acc[R][NV];
+  for (int r = 0; r < R; ++r)
     for (int v = 0; v < NV; ++v) acc[r][v] = accumulate ? load(C + r * ldc + 16 * v) : v16{};
   for (int64_t p = 0; p < Kd; ++p) {
     const float* b = B + p * ldb;
     v16 bv[NV];
     for (int v = 0; v < NV; ++v) bv[v] = load(b + 16 * v);
     const float* a = A + p * csa;
-    for (int r = 0; r < 4; ++r) {
+    for (int r = 0; r < R; ++r) {
       const float ar = a[r * rsa];
       for (int v = 0; v < NV; ++v) acc[r][v] += ar * bv[v];
     }
   }
-  for (int r = 0; r < 4; ++r)
+  for (int r = 0; r < R; ++r)
     for (int v = 0; v < NV; ++v) store(C + r * ldc + 16 * v, acc[r][v]);
 }
 
-// C[M, N] (+)= A[M, Kd] B[Kd, N] with M % 4 == 0 and N % 16 == 0.
+// The rows [r0, r1) of C (+)= A B in tiles of R rows, 16 NV columns from column c.
+template <int R, int NV>
+void rows(int64_t r0, int64_t r1, int64_t c, int64_t Kd, const float* A, int64_t rsa,
+          int64_t csa, const float* B, int64_t ldb, float* C, int64_t ldc, bool accumulate) {
+  for (int64_t r = r0; r < r1; r += R)
+    tile<R, NV>(Kd, A + r * rsa, rsa, csa, B + c, ldb, C + r * ldc + c, ldc, accumulate);
+}
+
+// C[M, N] (+)= A[M, Kd] B[Kd, N] with M % 4 == 0 and N % 16 == 0. Tiles of 6 rows where the
+// columns allow (24 accumulators and 4 B vectors: 29 of the 32 vector registers, 10 loads per
+// 24 FMAs against 8 per 16 at 4 rows), the rest in tiles of 4: M = 6 a + 4 b with b < 3.
 void gemm(int64_t M, int64_t N, int64_t Kd, const float* A, int64_t rsa, int64_t csa,
           const float* B, int64_t ldb, float* C, int64_t ldc, bool accumulate) {
+  const int64_t fours = (M / 4) % 3, six_end = M - 4 * fours;
   for (int64_t c = 0; c < N; c += 64) {
     const int64_t nv = std::min<int64_t>(64, N - c) / 16;
-    for (int64_t r = 0; r < M; r += 4) {
-      const float* a = A + r * rsa;
-      float* out = C + r * ldc + c;
-      switch (nv) {
-        case 4: tile<4>(Kd, a, rsa, csa, B + c, ldb, out, ldc, accumulate); break;
-        case 3: tile<3>(Kd, a, rsa, csa, B + c, ldb, out, ldc, accumulate); break;
-        case 2: tile<2>(Kd, a, rsa, csa, B + c, ldb, out, ldc, accumulate); break;
-        default: tile<1>(Kd, a, rsa, csa, B + c, ldb, out, ldc, accumulate); break;
-      }
+#define ROFORMER_ROWS(NV)                                                             \
+  rows<6, NV>(0, six_end, c, Kd, A, rsa, csa, B, ldb, C, ldc, accumulate);           \
+  rows<4, NV>(six_end, M, c, Kd, A, rsa, csa, B, ldb, C, ldc, accumulate);           \
+  break;
+    switch (nv) {
+      case 4: ROFORMER_ROWS(4)
+      case 3: ROFORMER_ROWS(3)
+      case 2: ROFORMER_ROWS(2)
+      default: ROFORMER_ROWS(1)
     }
+#undef ROFORMER_ROWS
   }
 }
 
@@ -159,10 +171,22 @@ float* scratch(std::vector<float>& buf, size_t n) {
   return buf.data();
 }
 
-// kT [D, n] from the rows 0..n-1 of x [L, G, D] at head g (row stride G D).
-void pack_transposed(const float* x, int64_t n, int64_t stride, int64_t D, float* kT) {
+// Operands are copied into buffers of their own before the products: the model's layouts put
+// a token's row of one head H D or G D floats after the last (1 KiB at 4 heads of 64), a power
+// of two, so that the rows a product walks down share a few cache sets and evict each other.
+// Packed rows are D floats apart, and transposed ones a row stride of `ld` = n + PAD.
+constexpr int64_t PAD = 16;
+
+// kT [D, ld] (columns 0..n-1) from the rows 0..n-1 of x (row stride `stride`).
+void pack_transposed(const float* x, int64_t n, int64_t stride, int64_t D, float* kT,
+                     int64_t ld) {
   for (int64_t t = 0; t < n; ++t)
-    for (int64_t d = 0; d < D; ++d) kT[d * n + t] = x[t * stride + d];
+    for (int64_t d = 0; d < D; ++d) kT[d * ld + t] = x[t * stride + d];
+}
+
+// rows [n, D] from the rows 0..n-1 of x (row stride `stride`).
+void pack_rows(const float* x, int64_t n, int64_t stride, int64_t D, float* rows) {
+  for (int64_t t = 0; t < n; ++t) std::memcpy(rows + t * D, x + t * stride, D * sizeof(float));
 }
 
 ffi::Error FwdImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
@@ -187,7 +211,7 @@ ffi::Error FwdImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ff
     float *m = acc, *l = acc + T, *m_new = acc + 2 * T, *alpha = acc + 3 * T;
     float* oi = op + (b * s.L + q0) * qs + h * s.D;
     float* li = lp + (b * s.H + h) * s.L + q0;
-    pack_transposed(qi, T, qs, s.D, qT);
+    pack_transposed(qi, T, qs, s.D, qT, T);
     std::fill(m, m + T, -INFINITY);
     std::fill(l, l + T, 0.0f);
     for (int64_t c0 = 0; c0 < n; c0 += KEY_CHUNK) {
@@ -245,28 +269,35 @@ ffi::Error BwdImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ff
     const int64_t b = u / s.G, g = u % s.G;
     const float* kb = kp + b * L * ks + g * D;
     const float* vb = vp + b * L * ks + g * D;
-    float* kT = scratch(tls_a, D * L);
-    float* vT = scratch(tls_b, D * L);
-    float* p = scratch(tls_c, T * L);
-    float* ds = scratch(tls_d, T * L);
-    float* dkv = scratch(tls_e, 2 * L * D);  // dk rows, then dv rows, [L, D] each
-    float *dk_acc = dkv, *dv_acc = dkv + L * D;
-    std::fill(dkv, dkv + 2 * L * D, 0.0f);
-    pack_transposed(kb, L, ks, D, kT);
-    pack_transposed(vb, L, ks, D, vT);
+    const int64_t LP = L + PAD;
+    float* kT = scratch(tls_a, D * LP);
+    float* vT = scratch(tls_b, D * LP);
+    float* p = scratch(tls_c, T * LP);
+    float* ds = scratch(tls_d, T * LP);
+    // dk rows, dv rows, k rows [L, D] each, then a block's q rows and do rows [T, D] each.
+    float* rows = scratch(tls_e, 3 * L * D + 2 * T * D);
+    float *dk_acc = rows, *dv_acc = rows + L * D, *kc = rows + 2 * L * D;
+    float *qc = kc + L * D, *doc = qc + T * D;
+    std::fill(rows, rows + 2 * L * D, 0.0f);
+    pack_transposed(kb, L, ks, D, kT, LP);
+    pack_transposed(vb, L, ks, D, vT, LP);
+    pack_rows(kb, L, ks, D, kc);
     for (int64_t h = g * R; h < (g + 1) * R; ++h) {
       for (int64_t i = 0; i < NQ; ++i) {
         const int64_t q0 = i * T, n = q0 + T;
         const int64_t row0 = (b * L + q0) * qs + h * D;
         const float *qi = qp + row0, *oi = opp + row0, *doi = dop + row0;
         const float* li = lp + (b * s.H + h) * L + q0;
-        // kT and vT hold all L keys: row stride L, the first n columns used.
-        gemm(T, n, D, qi, qs, 1, kT, L, p, n, false);
-        gemm(T, n, D, doi, qs, 1, vT, L, ds, n, false);
+        const int64_t ld = n + PAD;  // of p and ds [T, n]
+        pack_rows(qi, T, qs, D, qc);
+        pack_rows(doi, T, qs, D, doc);
+        // kT and vT hold all L keys: the first n columns used.
+        gemm(T, n, D, qc, D, 1, kT, LP, p, ld, false);
+        gemm(T, n, D, doc, D, 1, vT, LP, ds, ld, false);
         for (int64_t r = 0; r < T; ++r) {
           float delta = 0.0f;
           for (int64_t d = 0; d < D; ++d) delta += doi[r * qs + d] * oi[r * qs + d];
-          float *pr = p + r * n, *dsr = ds + r * n;
+          float *pr = p + r * ld, *dsr = ds + r * ld;
           const int64_t valid = q0 + r + 1;
           for (int64_t c = 0; c < valid; ++c) {
             pr[c] = exp_nonpositive(pr[c] * scale - li[r]);
@@ -275,11 +306,11 @@ ffi::Error BwdImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ff
           for (int64_t c = valid; c < n; ++c) pr[c] = dsr[c] = 0.0f;
         }
         float* dqi = dqp + row0;
-        gemm(T, D, n, ds, n, 1, kb, ks, dqi, qs, false);
+        gemm(T, D, n, ds, ld, 1, kc, D, dqi, qs, false);
         for (int64_t r = 0; r < T; ++r)
           for (int64_t d = 0; d < D; ++d) dqi[r * qs + d] *= scale;
-        gemm(n, D, T, ds, 1, n, qi, qs, dk_acc, D, true);  // ds^T q
-        gemm(n, D, T, p, 1, n, doi, qs, dv_acc, D, true);  // p^T do
+        gemm(n, D, T, ds, 1, ld, qc, D, dk_acc, D, true);  // ds^T q
+        gemm(n, D, T, p, 1, ld, doc, D, dv_acc, D, true);  // p^T do
       }
     }
     for (int64_t t = 0; t < L; ++t)
