@@ -6,8 +6,10 @@ data.mlm_probability; decoder: every position scored). Prints one table and opti
 as JSON. FLOPs per token (6 x matmul parameters + 12 x layers x L x H x K, as in the PaLM
 paper) are reported two ways: executed (the encoder's output layer at the step's max_predictions
 positions per row) and nominal (at every position); XLA's own count of the compiled step is
-printed too. MFU divides achieved FLOP/s by a matmul peak measured in the same process (times
-the devices); on a TPU or GPU of `CHIP_PEAK_BF16` also by the chip's datasheet peak.
+printed too, and the page faults per step of ours (memory the kernel maps in afresh: see
+roformer.infra.cpu_flags.keep_freed_host_memory). MFU divides achieved FLOP/s by a matmul peak
+measured in the same process (times the devices); on a TPU or GPU of `CHIP_PEAK_BF16` also by
+the chip's datasheet peak.
 
 With --compare_hf (or --compare-hf), the Hugging Face model a user would otherwise train, of the
 same shape, trains with torch AdamW (the same hyperparameters) on the same batch in the same
@@ -46,6 +48,7 @@ a user of the HF model runs without it; --keep_freed_memory turns it on for both
 
 import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -163,9 +166,11 @@ def benchmark(run_config, *, steps, repeats, warmup, peak_size, compare_hf) -> d
   ours.run(warmup)
   if hf is not None:
     hf.run(warmup)
-  ours_s, hf_s = [], []
+  ours_s, hf_s, faults = [], [], 0
   for _ in range(repeats):  # alternate, so both see the same machine load
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     ours_s.append(ours.run(steps))
+    faults += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
     if hf is not None:
       hf_s.append(hf.run(steps))
   tokens_per_sec = tokens_per_step * steps / statistics.median(ours_s)
@@ -184,6 +189,8 @@ def benchmark(run_config, *, steps, repeats, warmup, peak_size, compare_hf) -> d
     ),
     "devices": f"{devices} {jax.devices()[0].platform} ({jax.devices()[0].device_kind})",
     "compile_seconds": ours.compile_seconds,
+    # Pages the kernel mapped in for our steps (fresh memory: see keep_freed_host_memory).
+    "page_faults_per_step": faults / (repeats * steps),
     "tokens_per_sec": tokens_per_sec,
     "tokens_per_sec_runs": [tokens_per_step * steps / s for s in ours_s],
     "executed_flops_per_token": executed,
@@ -212,6 +219,7 @@ def format_table(result: dict) -> str:
     ("compile (s)", f"{result['compile_seconds']:.1f}"),
     ("tokens/s (median)", f"{result['tokens_per_sec']:,.0f}"),
     ("tokens/s (runs)", ", ".join(f"{x:,.0f}" for x in result["tokens_per_sec_runs"])),
+    ("page faults / step", f"{result['page_faults_per_step']:,.0f}"),
     ("GFLOP/token executed", f"{result['executed_flops_per_token'] / 1e9:.4f}"),
     ("GFLOP/token nominal", f"{result['nominal_flops_per_token'] / 1e9:.4f}"),
     ("GFLOP/token XLA count", f"{result['xla_flops_per_token'] / 1e9:.4f}"),
