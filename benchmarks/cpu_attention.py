@@ -99,7 +99,9 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   from roformer.infra import cpu_flags
 
-  cpu_flags.set_default_cpu_flags()  # as train.py does, before JAX starts
+  # As train.py does, before JAX starts, but with glibc's default malloc: PyTorch's SDPA runs
+  # in the same process, as its users run it (roformer.infra.cpu_flags.keep_freed_host_memory).
+  cpu_flags.set_default_cpu_flags(keep_freed_memory=False)
   batch, lengths, heads, head_dim = (
     FLAGS.batch,
     [int(n) for n in FLAGS.lengths],

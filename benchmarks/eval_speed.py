@@ -167,13 +167,14 @@ def main(argv):
   if FLAGS.smoke:
     bench_step.apply_overrides(config, SMOKE)
     lengths, repeats = SMOKE_LENGTHS, 1
-  if FLAGS.compare_hf and (missing := hf_counterpart.missing()):
-    print(f"eval_speed.py: error: {missing}", file=sys.stderr)
-    sys.exit(1)
+  # Before torch is imported (missing() imports it): malloc is set before threads start.
   keep = FLAGS.keep_freed_memory
   run_config = bench_step.run_config_or_exit(
     "eval_speed.py", config, keep_freed_memory=not FLAGS.compare_hf if keep is None else keep
   )
+  if FLAGS.compare_hf and (missing := hf_counterpart.missing()):
+    print(f"eval_speed.py: error: {missing}", file=sys.stderr)
+    sys.exit(1)
   if run_config.model.kind != "decoder":
     print("eval_speed.py: error: model.kind must be 'decoder' (use configs/lm.py)", file=sys.stderr)
     sys.exit(1)

@@ -231,7 +231,9 @@ def main(argv):
   del argv
   from roformer.infra import cpu_flags
 
-  cpu_flags.set_default_cpu_flags()  # as train.py does, before JAX starts
+  # As train.py does, before JAX starts; with --torch glibc's malloc keeps its defaults, since
+  # PyTorch is profiled in the same process (roformer.infra.cpu_flags.keep_freed_host_memory).
+  cpu_flags.set_default_cpu_flags(keep_freed_memory=not FLAGS.torch)
   config = FLAGS.config
   if FLAGS.smoke:
     bench_step.apply_overrides(config, SMOKE)

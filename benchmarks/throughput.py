@@ -252,13 +252,14 @@ def main(argv):
   if FLAGS.smoke:
     bench_step.apply_overrides(config, SMOKE)
     steps, repeats, warmup, peak_size = 2, 2, 1, 256
-  if FLAGS.compare_hf and (missing := hf_counterpart.missing()):
-    print(f"throughput.py: error: {missing}", file=sys.stderr)
-    sys.exit(1)
+  # Before torch is imported (missing() imports it): malloc is set before threads start.
   keep = FLAGS.keep_freed_memory
   run_config = bench_step.run_config_or_exit(
     "throughput.py", config, keep_freed_memory=not FLAGS.compare_hf if keep is None else keep
   )
+  if FLAGS.compare_hf and (missing := hf_counterpart.missing()):
+    print(f"throughput.py: error: {missing}", file=sys.stderr)
+    sys.exit(1)
   try:
     result = benchmark(
       run_config,

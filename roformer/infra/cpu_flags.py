@@ -47,15 +47,19 @@ def keep_freed_host_memory() -> bool:
   """Makes glibc's malloc keep the memory a program frees for its next allocations, instead of
   returning it to the kernel. Returns True when it changed the settings.
 
-  Each execution of a compiled program allocates XLA:CPU's temporary buffer (about 300 MB for
-  the train step of docs/performance.md's 4-layer decoder) and frees it at the end. glibc gives
-  an allocation that large a fresh mmap (always, from a thread's own arena) and unmaps it when
-  freed, so every step the kernel maps and zeroes it again, page by page: 80,000 page faults
-  and 0.17 s of system time per step there. With one arena, no mmap and no trimming, the freed
-  buffer stays in the heap and the next step reuses it. The process keeps its peak memory.
+  Each execution of a compiled program allocates XLA:CPU's temporary buffer (304 MiB for the
+  train step of docs/performance.md's 4-layer decoder) and frees it at the end. glibc gives an
+  allocation over 32 MiB a fresh mmap and unmaps it when freed, so every step the kernel maps
+  and zeroes it again, page by page: 80,000 page faults and 0.17 s of system time per step
+  there. Without mmap (M_MMAP_MAX 0) an allocation comes from an arena's heap, but a thread's
+  own arena holds at most 64 MiB and still maps larger ones; so one arena, the main one, which
+  grows without bound, and no trimming of its top: the freed buffer stays in the heap and the
+  next step reuses it. The process keeps its peak memory, and all threads share one arena's
+  lock (measured on 2-core machines only).
 
-  Must run before the threads that allocate start (they pick their arena then). Linux with
-  glibc only, and only if the user tunes malloc in none of `_MALLOC_ENV`.
+  Must run before the threads that allocate start: a thread picks its arena at its first
+  allocation (and an arena a finished thread left behind is reused whatever the limit). Linux
+  with glibc only, and only if the user tunes malloc in none of `_MALLOC_ENV`.
   """
   if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
     return False

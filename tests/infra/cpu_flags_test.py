@@ -23,6 +23,7 @@ from roformer.testing import REPO
 )
 def test_cpu_flags_set_only_on_cpu_without_user_flags(monkeypatch, env, expected):
   monkeypatch.delenv("XLA_FLAGS", raising=False)
+  monkeypatch.setattr(cpu_flags, "keep_freed_host_memory", lambda: True)  # not this process
   for name, value in env.items():
     monkeypatch.setenv(name, value)
   assert cpu_flags.set_default_cpu_flags() == (
@@ -36,9 +37,10 @@ def test_cpu_flags_set_only_on_cpu_without_user_flags(monkeypatch, env, expected
 # page faults of the second fill.
 _REALLOCATE = """
 import ctypes, resource, sys, threading
+libc = ctypes.CDLL(None)
+libc.prctl(41, 1, 0, 0, 0)  # PR_SET_THP_DISABLE: 4 KiB pages, as where huge pages are opt-in
 from roformer.infra import cpu_flags
 cpu_flags.set_default_cpu_flags()
-libc = ctypes.CDLL(None)
 libc.malloc.restype = ctypes.c_void_p
 n = 64 << 20
 def fill():

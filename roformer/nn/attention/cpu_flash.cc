@@ -19,8 +19,10 @@
 // with the 1 / sqrt(D) of the logits on dq and dk.
 //
 // Every product is one register-blocked kernel: C [M, N] (+)= A [M, Kd] B [Kd, N], A read
-// through strides (so A^T costs nothing), B rows contiguous, 4 rows by 64 columns of C held in
-// 16 vector registers of 16 floats. Work units go to XLA's intra-op thread pool.
+// through strides (so A^T costs nothing), B rows contiguous, 6 (with AVX-512) or 4 rows by 64
+// columns of C held in vector registers of 16 floats. The backward pass first copies its
+// operands out of the model's power-of-two token strides (see PAD). Work units go to XLA's
+// intra-op thread pool.
 
 #include <algorithm>
 #include <atomic>
@@ -73,12 +75,19 @@ void rows(int64_t r0, int64_t r1, int64_t c, int64_t Kd, const float* A, int64_t
     tile<R, NV>(Kd, A + r * rsa, rsa, csa, B + c, ldb, C + r * ldc + c, ldc, accumulate);
 }
 
-// C[M, N] (+)= A[M, Kd] B[Kd, N] with M % 4 == 0 and N % 16 == 0. Tiles of 6 rows where the
-// columns allow (24 accumulators and 4 B vectors: 29 of the 32 vector registers, 10 loads per
-// 24 FMAs against 8 per 16 at 4 rows), the rest in tiles of 4: M = 6 a + 4 b with b < 3.
+// C[M, N] (+)= A[M, Kd] B[Kd, N] with M % 4 == 0 and N % 16 == 0. With AVX-512, tiles of 6
+// rows (24 accumulators and 4 B vectors: 29 of the 32 zmm registers, 10 loads per 24 FMAs
+// against 8 per 16 at 4 rows) and the rest in tiles of 4: M = 6 a + 4 b with b < 3. Without
+// it (16 ymm registers, two per vector of 16 floats) tiles of 4 rows only.
+#ifdef __AVX512F__
+constexpr bool SIX_ROWS = true;
+#else
+constexpr bool SIX_ROWS = false;
+#endif
+
 void gemm(int64_t M, int64_t N, int64_t Kd, const float* A, int64_t rsa, int64_t csa,
           const float* B, int64_t ldb, float* C, int64_t ldc, bool accumulate) {
-  const int64_t fours = (M / 4) % 3, six_end = M - 4 * fours;
+  const int64_t fours = SIX_ROWS ? (M / 4) % 3 : M / 4, six_end = M - 4 * fours;
   for (int64_t c = 0; c < N; c += 64) {
     const int64_t nv = std::min<int64_t>(64, N - c) / 16;
 #define ROFORMER_ROWS(NV)                                                             \
@@ -171,10 +180,13 @@ float* scratch(std::vector<float>& buf, size_t n) {
   return buf.data();
 }
 
-// Operands are copied into buffers of their own before the products: the model's layouts put
-// a token's row of one head H D or G D floats after the last (1 KiB at 4 heads of 64), a power
-// of two, so that the rows a product walks down share a few cache sets and evict each other.
-// Packed rows are D floats apart, and transposed ones a row stride of `ld` = n + PAD.
+// The backward pass copies its operands into buffers of its own before the products: the
+// model's layouts put a token's row of one head H D (q, do) or G D (k, v) floats after the last
+// (1 KiB at 4 heads of 64), a power of two, and a row of k^T or v^T over all L keys would be L
+// floats long, so that the rows a product walks down share a few cache sets and evict each
+// other. Packed rows are D floats apart; k^T and v^T have a row stride of L + PAD, and the
+// [T, n] blocks p and ds one of n + PAD. (The forward pass reads k and v in place: copying them
+// measured no faster.)
 constexpr int64_t PAD = 16;
 
 // kT [D, ld] (columns 0..n-1) from the rows 0..n-1 of x (row stride `stride`).
@@ -184,9 +196,9 @@ void pack_transposed(const float* x, int64_t n, int64_t stride, int64_t D, float
     for (int64_t d = 0; d < D; ++d) kT[d * ld + t] = x[t * stride + d];
 }
 
-// rows [n, D] from the rows 0..n-1 of x (row stride `stride`).
-void pack_rows(const float* x, int64_t n, int64_t stride, int64_t D, float* rows) {
-  for (int64_t t = 0; t < n; ++t) std::memcpy(rows + t * D, x + t * stride, D * sizeof(float));
+// out [n, D] from the rows 0..n-1 of x (row stride `stride`).
+void pack_rows(const float* x, int64_t n, int64_t stride, int64_t D, float* out) {
+  for (int64_t t = 0; t < n; ++t) std::memcpy(out + t * D, x + t * stride, D * sizeof(float));
 }
 
 ffi::Error FwdImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
@@ -275,10 +287,10 @@ ffi::Error BwdImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ff
     float* p = scratch(tls_c, T * LP);
     float* ds = scratch(tls_d, T * LP);
     // dk rows, dv rows, k rows [L, D] each, then a block's q rows and do rows [T, D] each.
-    float* rows = scratch(tls_e, 3 * L * D + 2 * T * D);
-    float *dk_acc = rows, *dv_acc = rows + L * D, *kc = rows + 2 * L * D;
+    float* packed = scratch(tls_e, 3 * L * D + 2 * T * D);
+    float *dk_acc = packed, *dv_acc = packed + L * D, *kc = packed + 2 * L * D;
     float *qc = kc + L * D, *doc = qc + T * D;
-    std::fill(rows, rows + 2 * L * D, 0.0f);
+    std::fill(packed, packed + 2 * L * D, 0.0f);
     pack_transposed(kb, L, ks, D, kT, LP);
     pack_transposed(vb, L, ks, D, vT, LP);
     pack_rows(kb, L, ks, D, kc);
