@@ -44,6 +44,27 @@ def run_config(config):
   return config_lib.run_config_from_dict(config, vocab_size=vocab)
 
 
+def define_keep_freed_memory_flag() -> None:
+  """--keep_freed_memory, for a script that can time the Hugging Face model in its process."""
+  from absl import flags
+
+  flags.DEFINE_bool(
+    "keep_freed_memory",
+    None,
+    "glibc's malloc keeps freed memory for reuse, as train.py sets it (roformer.infra.cpu_flags)."
+    " Default: on, but off with --compare_hf: the setting speeds PyTorch up too, and the HF side"
+    " should run as its users run it.",
+  )
+
+
+def keep_freed_memory(compare_hf: bool) -> bool:
+  """--keep_freed_memory's value: as given, else on unless the HF model runs beside ours."""
+  from absl import flags
+
+  value = flags.FLAGS.keep_freed_memory
+  return not compare_hf if value is None else value
+
+
 def run_config_or_exit(prog: str, config, keep_freed_memory: bool = True):
   """`run_config(config)` after XLA's CPU flags are set as train.py sets them (before JAX
   starts; `keep_freed_memory=False` leaves glibc's malloc at its defaults); a config error is

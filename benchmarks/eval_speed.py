@@ -39,13 +39,7 @@ config_flags.DEFINE_config_file(
 flags.DEFINE_list("lengths", ["2048", "8192", "32768"], "Window lengths to score.")
 flags.DEFINE_integer("repeats", 3, "Alternating timed repeats per length; the median is reported.")
 flags.DEFINE_bool("compare_hf", False, "Time Hugging Face's PyTorch forward of the same shape.")
-flags.DEFINE_bool(
-  "keep_freed_memory",
-  None,
-  "glibc's malloc keeps freed memory for reuse, as train.py sets it (roformer.infra.cpu_flags)."
-  " Default: on, but off with --compare_hf: the setting speeds PyTorch up too, and the HF side"
-  " should run as its users run it.",
-)
+bench_step.define_keep_freed_memory_flag()
 flags.DEFINE_bool("smoke", False, "Tiny model and short lengths (a test runs this).")
 flags.DEFINE_string("json", "", "Write the results to this JSON file.")
 FLAGS = flags.FLAGS
@@ -168,9 +162,8 @@ def main(argv):
     bench_step.apply_overrides(config, SMOKE)
     lengths, repeats = SMOKE_LENGTHS, 1
   # Before torch is imported (missing() imports it): malloc is set before threads start.
-  keep = FLAGS.keep_freed_memory
   run_config = bench_step.run_config_or_exit(
-    "eval_speed.py", config, keep_freed_memory=not FLAGS.compare_hf if keep is None else keep
+    "eval_speed.py", config, keep_freed_memory=bench_step.keep_freed_memory(FLAGS.compare_hf)
   )
   if FLAGS.compare_hf and (missing := hf_counterpart.missing()):
     print(f"eval_speed.py: error: {missing}", file=sys.stderr)

@@ -71,13 +71,7 @@ flags.DEFINE_integer("peak_size", 2048, "Side of the square matmul that measures
 flags.DEFINE_bool(
   "compare_hf", False, "Also time the Hugging Face PyTorch model of the same shape (see above)."
 )
-flags.DEFINE_bool(
-  "keep_freed_memory",
-  None,
-  "glibc's malloc keeps freed memory for reuse, as train.py sets it (roformer.infra.cpu_flags)."
-  " Default: on, but off with --compare_hf: the setting speeds PyTorch up too, and the HF side"
-  " should run as its users run it.",
-)
+bench_step.define_keep_freed_memory_flag()
 flags.DEFINE_bool("smoke", False, "Tiny model and a few steps (a test runs this).")
 flags.DEFINE_string("json", "", "Write the results to this JSON file.")
 FLAGS = flags.FLAGS
@@ -253,9 +247,8 @@ def main(argv):
     bench_step.apply_overrides(config, SMOKE)
     steps, repeats, warmup, peak_size = 2, 2, 1, 256
   # Before torch is imported (missing() imports it): malloc is set before threads start.
-  keep = FLAGS.keep_freed_memory
   run_config = bench_step.run_config_or_exit(
-    "throughput.py", config, keep_freed_memory=not FLAGS.compare_hf if keep is None else keep
+    "throughput.py", config, keep_freed_memory=bench_step.keep_freed_memory(FLAGS.compare_hf)
   )
   if FLAGS.compare_hf and (missing := hf_counterpart.missing()):
     print(f"throughput.py: error: {missing}", file=sys.stderr)
