@@ -52,8 +52,8 @@ def define_keep_freed_memory_flag() -> None:
     "keep_freed_memory",
     None,
     "glibc's malloc keeps freed memory for reuse, as train.py sets it (roformer.infra.cpu_flags)."
-    " Default: on, but off with --compare_hf: the setting speeds PyTorch up too, and the HF side"
-    " should run as its users run it.",
+    " Default: on, but off where the HF model runs in this process: the setting speeds PyTorch"
+    " up too, and the HF side should run as its users run it.",
   )
 
 

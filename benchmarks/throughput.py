@@ -12,9 +12,9 @@ measured in the same process (times the devices); on a TPU or GPU of `CHIP_PEAK_
 the chip's datasheet peak.
 
 With --compare_hf (or --compare-hf), the Hugging Face model a user would otherwise train, of the
-same shape, trains with torch AdamW (the same hyperparameters) on the same batch in the same
-process; the two alternate repeat by repeat and the ratio of the medians is printed, with the HF
-class in the table:
+same shape, trains with torch AdamW (the same hyperparameters) on the same batch; the two
+alternate repeat by repeat and the ratio of the medians is printed, with the HF class in the
+table:
 - encoder (MLM): RoFormerForMaskedLM;
 - Llama-style decoder (model.activation=swiglu, model.norm=rmsnorm; biases and tied embeddings
   as the config says): LlamaForCausalLM (SDPA attention, rope_theta = posenc.max_wavelength);
@@ -26,9 +26,13 @@ truncated or scaled RoPE) the table says what differs. A decoder that neither fa
 field. With
 --config.model.dtype=bfloat16 the PyTorch forward runs under torch.autocast("cpu", bfloat16), the
 counterpart of our bfloat16 compute with float32 weights. Both use every core, so run it on an
-otherwise idle machine. Both run with glibc's default malloc under --compare_hf: train.py's
-`keep_freed_host_memory` (roformer.infra.cpu_flags) speeds PyTorch up as well, often more, and
-a user of the HF model runs without it; --keep_freed_memory turns it on for both sides.
+otherwise idle machine.
+
+Each side runs in a child process of its own (benchmarks/alternate.py), as its users run it:
+ours with train.py's malloc setting (`keep_freed_host_memory`, roformer.infra.cpu_flags), HF
+with glibc's defaults. --keep_freed_memory=true or =false puts both under one setting (the
+setting speeds PyTorch up as well, on the MLM encoder more than ours). --in_process times both
+in this process instead, under one setting (default: glibc's).
 
   JAX_PLATFORMS=cpu python benchmarks/throughput.py --config=configs/mlm.py \
     --config.model.num_layers=4 --config.model.emb_dim=256 --config.model.num_heads=4 \
@@ -48,11 +52,11 @@ a user of the HF model runs without it; --keep_freed_memory turns it on for both
 
 import json
 import os
-import resource
 import statistics
 import sys
 import time
 
+import alternate
 import bench_step
 import hf_counterpart
 from absl import app, flags
@@ -71,7 +75,14 @@ flags.DEFINE_integer("peak_size", 2048, "Side of the square matmul that measures
 flags.DEFINE_bool(
   "compare_hf", False, "Also time the Hugging Face PyTorch model of the same shape (see above)."
 )
+flags.DEFINE_bool(
+  "in_process",
+  False,
+  "With --compare_hf, time both sides in this process, under one malloc setting (default: off)"
+  " instead of a child process each.",
+)
 bench_step.define_keep_freed_memory_flag()
+flags.DEFINE_enum("serve", "", ["", "ours", "hf"], "Internal: serve one side to --compare_hf.")
 flags.DEFINE_bool("smoke", False, "Tiny model and a few steps (a test runs this).")
 flags.DEFINE_string("json", "", "Write the results to this JSON file.")
 FLAGS = flags.FLAGS
@@ -147,48 +158,90 @@ def measure_peak(size: int, dtype: str) -> float:
   return 2.0 * size**3 / statistics.median(times)
 
 
-def benchmark(run_config, *, steps, repeats, warmup, peak_size, compare_hf) -> dict:
-  """Compiles and times the train step (and HF's when asked); returns the results."""
+def _measured_peak(run_config, peak_size: int) -> dict:
+  """The matmul peak of all devices, measured here, and the datasheet peak of a known chip."""
   import jax
 
+  devices = jax.device_count()
+  kind = jax.devices()[0].device_kind
+  return {
+    "devices": f"{devices} {jax.devices()[0].platform} ({kind})",
+    # One device measured; the step runs on all of them.
+    "peak_flops_per_sec": measure_peak(peak_size, run_config.model.dtype) * devices,
+    "chip_peak_flops_per_sec": CHIP_PEAK_BF16.get(kind, 0.0) * devices,
+  }
+
+
+def make_side(name: str, run_config, *, warmup: int, peak_size: int) -> alternate.InProcess:
+  """Our train step ("ours") or the Hugging Face model's ("hf"), built and warmed up here."""
+  if name == "ours":
+    trainer = bench_step.JaxTrainer(run_config)
+    info = lambda: {  # noqa: E731  (after the timed runs: the peak runs last)
+      "compile_seconds": trainer.compile_seconds,
+      "flops_per_step": trainer.flops_per_step,
+      **_measured_peak(run_config, peak_size),
+    }
+  else:
+    trainer = hf_counterpart.TorchTrainer(run_config, hf_counterpart.hf_counterpart(run_config))
+    info = lambda: {  # noqa: E731
+      "hf_model": trainer.name,
+      "hf_note": trainer.note,
+      "hf_precision": "bfloat16 autocast" if trainer.autocast else "float32",
+    }
+  trainer.run(warmup)
+  return alternate.InProcess(trainer, info)
+
+
+def benchmark(run_config, *, steps, repeats, warmup, peak_size, compare_hf, child_cmd=None) -> dict:
+  """Times our train step (and HF's when asked, the two in turn); returns the results.
+
+  With `child_cmd(side)` (the command line of a `--serve=side` process), each side runs in a
+  child process of its own; else both run in this one.
+  """
+  if compare_hf:
+    hf_counterpart.hf_counterpart(run_config)  # refuses before compiling
+  names = ["ours", "hf"] if compare_hf else ["ours"]
+  sides = []
+  try:
+    for name in names:
+      if child_cmd:
+        sides.append(alternate.ChildProcess(child_cmd(name), name))
+      else:
+        sides.append(make_side(name, run_config, warmup=warmup, peak_size=peak_size))
+    runs = alternate.alternate(sides, steps, repeats)
+    info = {}
+    for side in sides:
+      info.update(side.info())
+  finally:
+    for side in sides:
+      side.close()
+  return assemble(run_config, steps, runs, info)
+
+
+def assemble(run_config, steps: int, runs: list, info: dict) -> dict:
+  """The result table's entries from the sides' (seconds, faults) runs and their info."""
   tokens_per_step = run_config.train.global_batch_size * run_config.data.seq_len
-  counterpart = (
-    hf_counterpart.hf_counterpart(run_config) if compare_hf else None
-  )  # refuses before compiling
-  ours = bench_step.JaxTrainer(run_config)
-  hf = hf_counterpart.TorchTrainer(run_config, counterpart) if compare_hf else None
-  ours.run(warmup)
-  if hf is not None:
-    hf.run(warmup)
-  ours_s, hf_s, faults = [], [], 0
-  for _ in range(repeats):  # alternate, so both see the same machine load
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    ours_s.append(ours.run(steps))
-    faults += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-    if hf is not None:
-      hf_s.append(hf.run(steps))
+  ours_s = [seconds for seconds, _ in runs[0]]
+  faults = sum(f for _, f in runs[0])
   tokens_per_sec = tokens_per_step * steps / statistics.median(ours_s)
-  peak = measure_peak(peak_size, run_config.model.dtype)
   executed = flops_per_token(run_config, head_fraction=executed_head_fraction(run_config))
   nominal = flops_per_token(run_config)
+  peak, chip_peak = info["peak_flops_per_sec"], info["chip_peak_flops_per_sec"]
   m = run_config.model
-  devices = jax.device_count()
-  chip_peak = CHIP_PEAK_BF16.get(jax.devices()[0].device_kind, 0.0) * devices
-  peak *= devices  # one device measured; the step runs on all of them
   result = {
     "kind": m.kind,
     "shape": (
       f"{m.num_layers}x{m.emb_dim} H{m.num_heads} F{m.mlp_dim} V{m.vocab_size} "
       f"B{run_config.train.global_batch_size} L{run_config.data.seq_len} {m.dtype}"
     ),
-    "devices": f"{devices} {jax.devices()[0].platform} ({jax.devices()[0].device_kind})",
-    "compile_seconds": ours.compile_seconds,
+    "devices": info["devices"],
+    "compile_seconds": info["compile_seconds"],
     # Pages the kernel mapped in for our steps (fresh memory: see keep_freed_host_memory).
-    "page_faults_per_step": faults / (repeats * steps),
+    "page_faults_per_step": faults / (len(ours_s) * steps),
     "tokens_per_sec": tokens_per_sec,
     "tokens_per_sec_runs": [tokens_per_step * steps / s for s in ours_s],
     "executed_flops_per_token": executed,
-    "xla_flops_per_token": ours.flops_per_step / tokens_per_step,
+    "xla_flops_per_token": info["flops_per_step"] / tokens_per_step,
     "nominal_flops_per_token": nominal,
     "peak_flops_per_sec": peak,
     "mfu_executed": executed * tokens_per_sec / peak,
@@ -196,13 +249,12 @@ def benchmark(run_config, *, steps, repeats, warmup, peak_size, compare_hf) -> d
     "chip_peak_flops_per_sec": chip_peak,
     "mfu_chip": executed * tokens_per_sec / chip_peak if chip_peak else None,
   }
-  if hf is not None:
+  if len(runs) > 1:
+    hf_s = [seconds for seconds, _ in runs[1]]
     result["hf_tokens_per_sec"] = tokens_per_step * steps / statistics.median(hf_s)
     result["hf_tokens_per_sec_runs"] = [tokens_per_step * steps / s for s in hf_s]
     result["ratio_to_hf"] = result["tokens_per_sec"] / result["hf_tokens_per_sec"]
-    result["hf_precision"] = "bfloat16 autocast" if hf.autocast else "float32"
-    result["hf_model"] = hf.name
-    result["hf_note"] = hf.note
+    result.update({k: info[k] for k in ("hf_model", "hf_note", "hf_precision")})
   return result
 
 
@@ -230,12 +282,43 @@ def format_table(result: dict) -> str:
     hf_model = result["hf_model"] + (f" ({result['hf_note']})" if result["hf_note"] else "")
     rows += [
       ("HF model", f"transformers.{hf_model}"),
+      ("setup", result["setup"]),
       (f"HF PyTorch tokens/s ({result['hf_precision']})", f"{result['hf_tokens_per_sec']:,.0f}"),
       ("HF tokens/s (runs)", ", ".join(f"{x:,.0f}" for x in result["hf_tokens_per_sec_runs"])),
       ("ours / HF", f"{result['ratio_to_hf']:.2f}x"),
     ]
   width = max(len(name) for name, _ in rows)
   return "\n".join(f"| {name:<{width}} | {value} |" for name, value in rows)
+
+
+def _keep_freed(side: str, in_process: bool) -> bool:
+  """Whether `side` runs with train.py's malloc setting: as --keep_freed_memory says, else
+  as its users run it (ours on, HF off; both off when they share a process)."""
+  if FLAGS.keep_freed_memory is not None:
+    return FLAGS.keep_freed_memory
+  return side == "ours" and not (in_process and FLAGS.compare_hf)
+
+
+def _child_cmd(side: str) -> list[str]:
+  """This script's command line, serving `side` in a child process under its malloc setting."""
+  args = [a for a in sys.argv[1:] if not a.startswith(("--json", "--serve", "--keep_freed"))]
+  keep = _keep_freed(side, in_process=False)
+  return [sys.executable, os.path.abspath(__file__), *args, f"--serve={side}",
+          f"--keep_freed_memory={keep}"]  # fmt: skip
+
+
+def _setup() -> str:
+  """How the two sides ran, for the table."""
+  if FLAGS.in_process:
+    where = "one process"
+    ours = hf = _keep_freed("ours", in_process=True)
+  else:
+    where = "a process each"
+    ours, hf = _keep_freed("ours", in_process=False), _keep_freed("hf", in_process=False)
+  malloc = {True: "malloc keeping freed memory", False: "glibc's default malloc"}
+  if ours == hf:
+    return f"{where}, both with {malloc[ours]}"
+  return f"{where}; ours with {malloc[ours]}, HF with {malloc[hf]}"
 
 
 def main(argv):
@@ -246,13 +329,20 @@ def main(argv):
   if FLAGS.smoke:
     bench_step.apply_overrides(config, SMOKE)
     steps, repeats, warmup, peak_size = 2, 2, 1, 256
-  # Before torch is imported (missing() imports it): malloc is set before threads start.
-  run_config = bench_step.run_config_or_exit(
-    "throughput.py", config, keep_freed_memory=bench_step.keep_freed_memory(FLAGS.compare_hf)
-  )
+  if FLAGS.serve:  # a child process of --compare_hf: one side, driven over stdin
+    keep = FLAGS.keep_freed_memory
+    run_config = bench_step.run_config_or_exit("throughput.py", config, keep_freed_memory=keep)
+    side = make_side(FLAGS.serve, run_config, warmup=warmup, peak_size=peak_size)
+    alternate.serve(side)
+    return
+  # Before torch is imported (missing() imports it): malloc is set before threads start. Apart
+  # from --compare_hf --in_process, this process times nothing beside ours.
+  keep = _keep_freed("ours", in_process=FLAGS.in_process)
+  run_config = bench_step.run_config_or_exit("throughput.py", config, keep_freed_memory=keep)
   if FLAGS.compare_hf and (missing := hf_counterpart.missing()):
     print(f"throughput.py: error: {missing}", file=sys.stderr)
     sys.exit(1)
+  separate = FLAGS.compare_hf and not FLAGS.in_process
   try:
     result = benchmark(
       run_config,
@@ -261,10 +351,16 @@ def main(argv):
       warmup=warmup,
       peak_size=peak_size,
       compare_hf=FLAGS.compare_hf,
+      child_cmd=_child_cmd if separate else None,
     )
   except hf_counterpart.NoCounterpartError as e:
     print(f"throughput.py: error: --compare_hf: {e}", file=sys.stderr)
     sys.exit(1)
+  except alternate.ChildError as e:
+    print(f"throughput.py: error: {e}", file=sys.stderr)
+    sys.exit(1)
+  if FLAGS.compare_hf:
+    result["setup"] = _setup()
   print(format_table(result))
   if FLAGS.json:
     with open(FLAGS.json, "w") as f:

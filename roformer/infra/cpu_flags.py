@@ -53,9 +53,11 @@ def keep_freed_host_memory() -> bool:
   and zeroes it again, page by page: 80,000 page faults and 0.17 s of system time per step
   there. Without mmap (M_MMAP_MAX 0) an allocation comes from an arena's heap, but a thread's
   own arena holds at most 64 MiB and still maps larger ones; so one arena, the main one, which
-  grows without bound, and no trimming of its top: the freed buffer stays in the heap and the
-  next step reuses it. The process keeps its peak memory, and all threads share one arena's
-  lock (measured on 2-core machines only).
+  grows without bound, and no trimming of its top at all (M_TRIM_THRESHOLD -1; the largest
+  positive threshold, 2 GiB, is passed when a few steps are in flight: docs/performance.md's MLM
+  encoder holds 2.4 GiB of them and was trimmed every few steps): the freed buffer stays in the
+  heap and the next step reuses it. The process keeps its peak memory, and all threads share
+  one arena's lock (measured on 2-core machines only).
 
   Must run before the threads that allocate start: a thread picks its arena at its first
   allocation (and an arena a finished thread left behind is reused whatever the limit). Linux
@@ -69,5 +71,5 @@ def keep_freed_host_memory() -> bool:
   # Each call returns 1 on success; all three or the change is pointless, but none is harmful.
   return all(
     libc.mallopt(param, value) == 1
-    for param, value in ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2**31 - 1))
+    for param, value in ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, -1))
   )

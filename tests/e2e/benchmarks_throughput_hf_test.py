@@ -167,3 +167,30 @@ def test_llama_shaped_decoder_with_qkv_biases_alone_is_refused_naming_the_field(
   run_config = _run_config({**LLAMA, **TINY, "model.use_bias": False, "model.qkv_bias": True})
   with pytest.raises(hf_counterpart.NoCounterpartError, match=r"model\.qkv_bias=False"):
     hf_counterpart.hf_counterpart(run_config)
+
+
+@pytest.mark.parametrize(
+  "args, setup",
+  [
+    ((), "a process each; ours with malloc keeping freed memory, HF with glibc's default malloc"),
+    (("--keep_freed_memory=false",), "a process each, both with glibc's default malloc"),
+    (("--in_process",), "one process, both with glibc's default malloc"),
+  ],
+  ids=["as-shipped", "same-setting", "in-process"],
+)
+def test_compare_hf_times_both_sides_in_turn_under_the_named_setup(tmp_path, args, setup):
+  import json
+  import os
+  import subprocess
+
+  out = tmp_path / "throughput.json"
+  cmd = [sys.executable, str(REPO / "benchmarks" / "throughput.py"), "--smoke", "--compare_hf",
+         f"--json={out}", *args]  # fmt: skip
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  result = json.loads(out.read_text())
+  assert result["setup"] == setup and result["hf_model"] == "RoFormerForMaskedLM"
+  assert len(result["tokens_per_sec_runs"]) == len(result["hf_tokens_per_sec_runs"]) == 2
+  ratio = result["tokens_per_sec"] / result["hf_tokens_per_sec"]
+  assert result["ratio_to_hf"] == pytest.approx(ratio) and "| ours / HF " in proc.stdout

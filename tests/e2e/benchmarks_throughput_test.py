@@ -102,3 +102,35 @@ def test_ab_step_refuses_a_variant_without_hooks_and_passes_compiler_options(
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
   assert proc.returncode != 0 and message in proc.stderr
+
+
+def _alternate():
+  sys.path.insert(0, str(REPO / "benchmarks"))
+  import alternate
+
+  return alternate
+
+
+def test_a_child_process_serves_our_step_in_turn_and_reports_it():
+  # What --compare_hf runs each side in: the child builds, warms up, then times on request.
+  alternate = _alternate()
+  cmd = [sys.executable, str(REPO / "benchmarks" / "throughput.py"), "--smoke", "--serve=ours",
+         "--keep_freed_memory=true"]  # fmt: skip
+  child = alternate.ChildProcess(cmd, "ours")
+  try:
+    (first, second), *_ = alternate.alternate([child], steps=2, repeats=2)
+    info = child.info()
+  finally:
+    child.close()
+  assert child.proc.returncode == 0  # closing its stdin ends it cleanly
+  assert first[0] > 0 and second[0] > 0 and first[1] >= 0
+  assert info["compile_seconds"] > 0 and info["flops_per_step"] > 0
+  assert info["peak_flops_per_sec"] > 0 and info["devices"].endswith("(cpu)")
+
+
+def test_a_child_process_that_dies_is_reported_with_its_status():
+  alternate = _alternate()
+  child = alternate.ChildProcess([sys.executable, "-c", "import sys; sys.exit(3)"], "hf")
+  with pytest.raises(alternate.ChildError, match="hf process exited with status 3"):
+    alternate.alternate([child], steps=1, repeats=1)
+  child.close()
