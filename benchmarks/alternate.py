@@ -8,6 +8,7 @@ its own steps, so the pipe is outside the timed region. While one side runs, the
 on its stdin and takes no CPU.
 """
 
+import contextlib
 import json
 import resource
 import subprocess
@@ -28,7 +29,7 @@ class InProcess:
     seconds = self.trainer.run(steps)
     return seconds, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 
-  def close(self) -> None:
+  def close(self, wait: bool = True) -> None:
     pass
 
 
@@ -39,17 +40,22 @@ class ChildError(RuntimeError):
 class ChildProcess:
   """A trainer served by `serve()` in a child process started with `cmd`."""
 
-  def __init__(self, cmd: list[str], name: str):
+  def __init__(self, cmd: list[str], name: str, env: dict | None = None):
     # stderr passes through: a child's traceback reaches the user as it is written.
     self.name = name
-    self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    self.proc = subprocess.Popen(
+      cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+    )
     self._ready = None
 
   def _reply(self) -> dict:
     for line in self.proc.stdout:
-      if line.startswith(REPLY):
-        return json.loads(line[len(REPLY) :])
-      sys.stdout.write(line)  # the child's own prints
+      # A reply may follow output the child wrote without a newline (a C library's, say).
+      output, found, reply = line.partition(REPLY)
+      if output:
+        sys.stdout.write(output if found else line)  # the child's own prints
+      if found:
+        return json.loads(reply)
     code = self.proc.wait()
     raise ChildError(f"the {self.name} process exited with status {code} before answering")
 
@@ -75,17 +81,20 @@ class ChildProcess:
   def info(self) -> dict:
     return self._ask("info")
 
-  def close(self) -> None:
+  def close(self, wait: bool = True) -> None:
+    """Ends the child: at the end of its input (serve() returns) when `wait`, else at once (it
+    may still be compiling, after an error elsewhere)."""
+    with contextlib.suppress(BrokenPipeError):
+      self.proc.stdin.close()
     if self.proc.poll() is None:
+      if not wait:
+        self.proc.terminate()
       try:
-        self.proc.stdin.close()  # end of input: serve() returns
-      except BrokenPipeError:
-        pass
-      try:
-        self.proc.wait(timeout=60)
+        self.proc.wait(timeout=60 if wait else 10)
       except subprocess.TimeoutExpired:
         self.proc.kill()
         self.proc.wait()
+    self.proc.stdout.close()
 
 
 def serve(side: InProcess) -> None:

@@ -6,7 +6,7 @@ data.mlm_probability; decoder: every position scored). Prints one table and opti
 as JSON. FLOPs per token (6 x matmul parameters + 12 x layers x L x H x K, as in the PaLM
 paper) are reported two ways: executed (the encoder's output layer at the step's max_predictions
 positions per row) and nominal (at every position); XLA's own count of the compiled step is
-printed too, and our page faults per step in the median repeat (memory the kernel maps in
+printed too, and our page faults per step in a middle repeat (memory the kernel maps in
 afresh: see roformer.infra.cpu_flags.keep_freed_host_memory). MFU divides achieved FLOP/s by a
 matmul peak measured in our process (times the devices); on a TPU or GPU of `CHIP_PEAK_BF16`
 also by the chip's datasheet peak.
@@ -173,13 +173,18 @@ def _measured_peak(run_config, peak_size: int) -> dict:
 
 
 def make_side(name: str, run_config, *, warmup: int, peak_size: int) -> alternate.InProcess:
-  """Our train step ("ours") or the Hugging Face model's ("hf"), built and warmed up here."""
+  """Our train step ("ours") or the Hugging Face model's ("hf"), built and warmed up here; its
+  info names the process and whether it keeps freed memory."""
+  from roformer.infra import cpu_flags
+
+  where = {"pid": os.getpid(), "keeps_freed_memory": cpu_flags.freed_memory_kept()}
   if name == "ours":
     trainer = bench_step.JaxTrainer(run_config)
     info = lambda: {  # noqa: E731  (after the timed runs: the peak runs last)
       "compile_seconds": trainer.compile_seconds,
       "flops_per_step": trainer.flops_per_step,
       **_measured_peak(run_config, peak_size),
+      **where,
     }
   else:
     trainer = hf_counterpart.TorchTrainer(run_config, hf_counterpart.hf_counterpart(run_config))
@@ -187,9 +192,21 @@ def make_side(name: str, run_config, *, warmup: int, peak_size: int) -> alternat
       "hf_model": trainer.name,
       "hf_note": trainer.note,
       "hf_precision": "bfloat16 autocast" if trainer.autocast else "float32",
+      **where,
     }
   trainer.run(warmup)
   return alternate.InProcess(trainer, info)
+
+
+def setup(infos: list[dict]) -> str:
+  """How ours and HF ran, from what their processes report."""
+  ours, hf = infos
+  where = "one process" if ours["pid"] == hf["pid"] else "a process each"
+  malloc = {True: "malloc keeping freed memory", False: "glibc's default malloc"}
+  kept = ours["keeps_freed_memory"], hf["keeps_freed_memory"]
+  if kept[0] == kept[1]:
+    return f"{where}, both with {malloc[kept[0]]}"
+  return f"{where}; ours with {malloc[kept[0]]}, HF with {malloc[kept[1]]}"
 
 
 def benchmark(run_config, *, steps, repeats, warmup, peak_size, compare_hf, child_cmd=None) -> dict:
@@ -201,29 +218,30 @@ def benchmark(run_config, *, steps, repeats, warmup, peak_size, compare_hf, chil
   if compare_hf:
     hf_counterpart.hf_counterpart(run_config)  # refuses before compiling
   names = ["ours", "hf"] if compare_hf else ["ours"]
-  sides = []
+  sides, infos, done = [], [], False
   try:
-    for name in names:
+    for name in names:  # one after the other: each compiles and warms up on an idle machine
       if child_cmd:
         sides.append(alternate.ChildProcess(child_cmd(name), name))
+        sides[-1].wait_ready()
       else:
         sides.append(make_side(name, run_config, warmup=warmup, peak_size=peak_size))
     runs = alternate.alternate(sides, steps, repeats)
-    info = {}
-    for side in sides:
-      info.update(side.info())
+    infos = [side.info() for side in sides]
+    done = True
   finally:
     for side in sides:
-      side.close()
-  return assemble(run_config, steps, runs, info)
+      side.close(wait=done)
+  return assemble(run_config, steps, runs, infos)
 
 
-def assemble(run_config, steps: int, runs: list, info: dict) -> dict:
+def assemble(run_config, steps: int, runs: list, infos: list[dict]) -> dict:
   """The result table's entries from the sides' (seconds, faults) runs and their info."""
   tokens_per_step = run_config.train.global_batch_size * run_config.data.seq_len
+  info = infos[0]
   ours_s = [seconds for seconds, _ in runs[0]]
-  # The median repeat: the first maps in the heap's peak (a few steps in flight) once.
-  faults = statistics.median(f for _, f in runs[0])
+  # A middle repeat (the lower of two): the first maps in the heap's peak (steps in flight) once.
+  faults = statistics.median_low(f for _, f in runs[0])
   tokens_per_sec = tokens_per_step * steps / statistics.median(ours_s)
   executed = flops_per_token(run_config, head_fraction=executed_head_fraction(run_config))
   nominal = flops_per_token(run_config)
@@ -255,7 +273,9 @@ def assemble(run_config, steps: int, runs: list, info: dict) -> dict:
     result["hf_tokens_per_sec"] = tokens_per_step * steps / statistics.median(hf_s)
     result["hf_tokens_per_sec_runs"] = [tokens_per_step * steps / s for s in hf_s]
     result["ratio_to_hf"] = result["tokens_per_sec"] / result["hf_tokens_per_sec"]
-    result.update({k: info[k] for k in ("hf_model", "hf_note", "hf_precision")})
+    hf = infos[1]
+    result.update({k: hf[k] for k in ("hf_model", "hf_note", "hf_precision")})
+    result["setup"] = setup(infos)
   return result
 
 
@@ -266,7 +286,7 @@ def format_table(result: dict) -> str:
     ("compile (s)", f"{result['compile_seconds']:.1f}"),
     ("tokens/s (median)", f"{result['tokens_per_sec']:,.0f}"),
     ("tokens/s (runs)", ", ".join(f"{x:,.0f}" for x in result["tokens_per_sec_runs"])),
-    ("page faults / step (median repeat)", f"{result['page_faults_per_step']:,.0f}"),
+    ("page faults / step (middle repeat)", f"{result['page_faults_per_step']:,.0f}"),
     ("GFLOP/token executed", f"{result['executed_flops_per_token'] / 1e9:.4f}"),
     ("GFLOP/token nominal", f"{result['nominal_flops_per_token'] / 1e9:.4f}"),
     ("GFLOP/token XLA count", f"{result['xla_flops_per_token'] / 1e9:.4f}"),
@@ -301,25 +321,11 @@ def _keep_freed(side: str, in_process: bool) -> bool:
 
 
 def _child_cmd(side: str) -> list[str]:
-  """This script's command line, serving `side` in a child process under its malloc setting."""
-  args = [a for a in sys.argv[1:] if not a.startswith(("--json", "--serve", "--keep_freed"))]
+  """This script's command line, serving `side` in a child process under its malloc setting
+  (the flag appended last wins; the child writes no JSON)."""
   keep = _keep_freed(side, in_process=False)
-  return [sys.executable, os.path.abspath(__file__), *args, f"--serve={side}",
+  return [sys.executable, os.path.abspath(__file__), *sys.argv[1:], f"--serve={side}",
           f"--keep_freed_memory={keep}"]  # fmt: skip
-
-
-def _setup() -> str:
-  """How the two sides ran, for the table."""
-  if FLAGS.in_process:
-    where = "one process"
-    ours = hf = _keep_freed("ours", in_process=True)
-  else:
-    where = "a process each"
-    ours, hf = _keep_freed("ours", in_process=False), _keep_freed("hf", in_process=False)
-  malloc = {True: "malloc keeping freed memory", False: "glibc's default malloc"}
-  if ours == hf:
-    return f"{where}, both with {malloc[ours]}"
-  return f"{where}; ours with {malloc[ours]}, HF with {malloc[hf]}"
 
 
 def main(argv):
@@ -331,7 +337,7 @@ def main(argv):
     bench_step.apply_overrides(config, SMOKE)
     steps, repeats, warmup, peak_size = 2, 2, 1, 256
   if FLAGS.serve:  # a child process of --compare_hf: one side, driven over stdin
-    keep = FLAGS.keep_freed_memory
+    keep = bool(FLAGS.keep_freed_memory)  # the parent always says
     run_config = bench_step.run_config_or_exit("throughput.py", config, keep_freed_memory=keep)
     side = make_side(FLAGS.serve, run_config, warmup=warmup, peak_size=peak_size)
     alternate.serve(side)
@@ -360,8 +366,6 @@ def main(argv):
   except alternate.ChildError as e:
     print(f"throughput.py: error: {e}", file=sys.stderr)
     sys.exit(1)
-  if FLAGS.compare_hf:
-    result["setup"] = _setup()
   print(format_table(result))
   if FLAGS.json:
     with open(FLAGS.json, "w") as f:

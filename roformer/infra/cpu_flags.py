@@ -69,7 +69,17 @@ def keep_freed_host_memory() -> bool:
     return False
   libc = ctypes.CDLL(None)
   # Each call returns 1 on success; all three or the change is pointless, but none is harmful.
-  return all(
+  global _kept
+  _kept = all(
     libc.mallopt(param, value) == 1
     for param, value in ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, -1))
   )
+  return _kept
+
+
+_kept = False  # keep_freed_host_memory changed the settings of this process
+
+
+def freed_memory_kept() -> bool:
+  """Whether `keep_freed_host_memory` has changed this process's malloc settings."""
+  return _kept
