@@ -121,10 +121,8 @@ def serve(side: InProcess) -> None:
 
 def alternate(sides: list, steps: int, repeats: int) -> list[list[tuple[float, int]]]:
   """`repeats` rounds of `steps` steps of each side in turn; per side, (seconds, faults) each
-  round. Every side has warmed up before (a child, when it says it is ready)."""
-  for side in sides:
-    if isinstance(side, ChildProcess):
-      side.wait_ready()
+  round. Every side has warmed up before (a child, when it says it is ready: its first `run`
+  waits for that)."""
   runs = [[] for _ in sides]
   for _ in range(repeats):  # in turn, so both see the same machine load
     for side, out in zip(sides, runs, strict=True):

@@ -312,18 +312,11 @@ def format_table(result: dict) -> str:
   return "\n".join(f"| {name:<{width}} | {value} |" for name, value in rows)
 
 
-def _keep_freed(side: str, in_process: bool) -> bool:
-  """Whether `side` runs with train.py's malloc setting: as --keep_freed_memory says, else
-  as its users run it (ours on, HF off; both off when they share a process)."""
-  if FLAGS.keep_freed_memory is not None:
-    return FLAGS.keep_freed_memory
-  return side == "ours" and not (in_process and FLAGS.compare_hf)
-
-
 def _child_cmd(side: str) -> list[str]:
-  """This script's command line, serving `side` in a child process under its malloc setting
-  (the flag appended last wins; the child writes no JSON)."""
-  keep = _keep_freed(side, in_process=False)
+  """This script's command line, serving `side` in a child process as its users run it (ours
+  keeping freed memory, HF not) unless --keep_freed_memory says; the flag appended last wins,
+  and the child writes no JSON."""
+  keep = side == "ours" if FLAGS.keep_freed_memory is None else FLAGS.keep_freed_memory
   return [sys.executable, os.path.abspath(__file__), *sys.argv[1:], f"--serve={side}",
           f"--keep_freed_memory={keep}"]  # fmt: skip
 
@@ -342,14 +335,14 @@ def main(argv):
     side = make_side(FLAGS.serve, run_config, warmup=warmup, peak_size=peak_size)
     alternate.serve(side)
     return
-  # Before torch is imported (missing() imports it): malloc is set before threads start. Apart
-  # from --compare_hf --in_process, this process times nothing beside ours.
-  keep = _keep_freed("ours", in_process=FLAGS.in_process)
+  # Before torch is imported (missing() imports it): malloc is set before threads start. Only
+  # with --compare_hf --in_process does the HF model run in this process.
+  separate = FLAGS.compare_hf and not FLAGS.in_process
+  keep = bench_step.keep_freed_memory(FLAGS.compare_hf and not separate)
   run_config = bench_step.run_config_or_exit("throughput.py", config, keep_freed_memory=keep)
   if FLAGS.compare_hf and (missing := hf_counterpart.missing()):
     print(f"throughput.py: error: {missing}", file=sys.stderr)
     sys.exit(1)
-  separate = FLAGS.compare_hf and not FLAGS.in_process
   try:
     result = benchmark(
       run_config,

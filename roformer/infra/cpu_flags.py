@@ -41,6 +41,8 @@ def set_default_cpu_flags(keep_freed_memory: bool = True) -> bool:
 _M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
 # The environment variables through which a user tunes glibc's malloc: set, they win.
 _MALLOC_ENV = ("GLIBC_TUNABLES", "MALLOC_ARENA_MAX", "MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_")
+# Whether keep_freed_host_memory changed this process's settings (mallopt has no getter).
+_kept = False
 
 
 def keep_freed_host_memory() -> bool:
@@ -75,9 +77,6 @@ def keep_freed_host_memory() -> bool:
     for param, value in ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, -1))
   )
   return _kept
-
-
-_kept = False  # keep_freed_host_memory changed the settings of this process
 
 
 def freed_memory_kept() -> bool:
