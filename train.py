@@ -10,7 +10,13 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 FLAGS = flags.FLAGS
-config_flags.DEFINE_config_file("config", None, "Training config file.", lock_config=True)
+config_flags.DEFINE_config_file(
+  "config",
+  None,
+  "Training config file. `python -m roformer.posenc` lists the encodings and every posenc.* "
+  "field with its default and doc (add --import=MODULE for an encoding of your own).",
+  lock_config=True,
+)
 flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics, config.json).")
 flags.DEFINE_string(
   "coordinator_address",
@@ -62,6 +68,10 @@ def _without_traceback(message: str) -> str:
 
 def _parse_flags(argv):
   """absl's flag parsing, with one clear line (no traceback) for a misspelt or mistyped field."""
+  from roformer.infra import cpu_flags
+
+  # Before the config file is loaded: it imports the model's packages (and JAX with them).
+  cpu_flags.set_default_cpu_flags()
   _check_config_file(argv)
   try:
     return FLAGS(argv)
@@ -88,9 +98,6 @@ def _parse_flags(argv):
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-  from roformer.infra import cpu_flags
-
-  cpu_flags.set_default_cpu_flags()  # before JAX starts
   import jax
 
   if FLAGS.coordinator_address:

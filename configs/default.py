@@ -5,6 +5,8 @@ Run: python train.py --config=configs/default.py --workdir=DIR [--config.group.f
 
 import ml_collections
 
+from roformer.config import posenc_defaults
+
 # Logical parameter axis -> mesh axes. 'batch' shards the data over data x fsdp; parameters are
 # split over fsdp on their model dimension and over tensor on heads / mlp / vocabulary.
 DEFAULT_RULES = (
@@ -120,124 +122,12 @@ def get_config() -> ml_collections.ConfigDict:
   # with posenc.kind="nope". Every kernel and the cache.
   model.forget_gate = False
 
-  # ---- posenc: the positional encoding (one field picks it; every kind's fields are here) ----
-  config.posenc = posenc = ml_collections.ConfigDict()
-  # One of: sinusoidal, learned, t5, alibi, rope, xpos, nope, kerple, fire, sandwich, cope, pope.
-  posenc.kind = "rope"
-  # learned: size of the position table (longest sequence the model can take).
-  posenc.max_len = 512
-  # RoPE / xPos / sinusoidal base b of the frequencies b^(-2i/d); pope: of b^(-c/d).
-  posenc.max_wavelength = 10000.0
-  # RoPE pairing of dimensions: "interleaved" (2i, 2i+1) as in RoFormer, or "half" (i, i + d/2).
-  posenc.rope_layout = "interleaved"
-  # Fraction of each head's dimensions that rotate (1.0 = all).
-  posenc.rope_fraction = 1.0
-  # t5: number of relative-position buckets.
-  posenc.t5_num_buckets = 32
-  # t5: distance beyond which all positions share the last bucket.
-  posenc.t5_max_distance = 128
-  # xpos: gamma of the per-dimension decay base (zeta_i = (i / (d/2) + gamma) / (1 + gamma)).
-  posenc.xpos_gamma = 0.4
-  # xpos: the scale base dividing positions in the decay exponent.
-  posenc.xpos_scale_base = 512.0
-  # rope / xpos, p-RoPE (Barbero et al. 2024): fraction of the lowest frequencies set to zero
-  # (they do not rotate); p = 1 - rope_truncate. 0 = plain RoPE.
-  posenc.rope_truncate = 0.0
-  # rope / xpos, Resonance RoPE (Wang et al. 2024): every wavelength 2 pi / theta_i rounded to an
-  # integer and theta_i recomputed, after posenc.scaling (with yarn: Resonance YaRN).
-  posenc.rope_resonance = False
-  # Randomized positions (Ruoss et al. 2023), any kind that reads positions (not nope or cope):
-  # each sequence (each packed document) takes a sorted random subset of [0, randomize_max) of
-  # its own length as its positions, in training (drawn from seed and step) and at evaluation
-  # (eval.py averages over --position_draws draws), as the paper's code does. 0 = off; else
-  # >= data.seq_len (and <= posenc.max_len for learned).
-  posenc.randomize_max = 0
-  # fire: hidden width of the MLP f_theta (paper: 32).
-  posenc.fire_mlp_width = 32
-  # fire: initial c of psi(x) = log(c x + 1), learned (paper: 0.1).
-  posenc.fire_init_c = 0.1
-  # fire: initial threshold L of the normaliser psi(max(L, i)), learned (paper: 512).
-  posenc.fire_init_threshold = 512.0
-  # fire: one MLP shared by every layer (the paper's FIRE-S) instead of one per layer (FIRE).
-  posenc.fire_shared = False
-  # sandwich: dimension d' of the sinusoidal embeddings whose inner products form the bias
-  # (0 = model.emb_dim, as in the paper).
-  posenc.sandwich_dim = 0
-  # cope: number of learned position embeddings; contextual positions clamp to it - 1.
-  # 0 = data.seq_len + 1, the default of the paper's code (the block size + 1).
-  posenc.cope_npos_max = 0
-  # cope: one position table shared by every layer instead of one per layer (the paper's code:
-  # --cope-shared, off by default).
-  posenc.cope_shared = False
-  # pope: initial key phase bias delta (per key/value head and dim, kept in [-2 pi, 0]): "zeros"
-  # or "uniform" in [-2 pi, 0] (the paper's two options).
-  posenc.pope_bias_init = "zeros"
-  # Per-layer encodings: kinds "k1,k2,..." repeated over the layers, as attention_window_pattern
-  # ("" = every layer uses posenc.kind, which must otherwise be one of them), e.g. Llama 4's iRoPE
-  # "rope,rope,rope,nope". Kinds that act inside attention only (not sinusoidal or learned).
-  posenc.layer_pattern = ""
-  # Per-layer RoPE bases "b1,b2,..." repeated over the layers ("" = max_wavelength everywhere),
-  # e.g. Gemma 3's local and global bases "10000,10000,10000,10000,10000,1000000".
-  posenc.max_wavelength_pattern = ""
-  # Query temperature, queries times t(n) with n = position + 1 (decoders): "none"; "logn" (Qwen:
-  # log_L0(n) for n > L0); "ssmax" (Scalable-Softmax: s log n, s learned per head and layer);
-  # "llama4" (1 + beta log(floor(n / floor) + 1)). Softmax attention only.
-  posenc.query_scale = "none"
-  # logn: the training length L0 (0 = data.seq_len, or that of the train.init_from run).
-  posenc.query_scale_len = 0
-  # llama4: beta (Llama 4's attn_scale).
-  posenc.query_scale_beta = 0.1
-  # llama4: floor_scale.
-  posenc.query_scale_floor = 8192.0
-  # Kinds of posenc.layer_pattern whose layers scale their queries ("" = every layer; Llama 4:
-  # "nope").
-  posenc.query_scale_kinds = ""
-  # RoPE context-extension scaling (also overridable at evaluation time).
-  posenc.scaling = scaling = ml_collections.ConfigDict()
-  # One of: none, linear, ntk, dynamic, ntk_by_parts, yarn, llama3, longrope.
-  scaling.kind = "none"
-  # Context extension factor s.
-  scaling.factor = 1.0
-  # Pretrained context length L0: 0 = the data.seq_len of the train.init_from run when there is
-  # one (fine-tuning a shorter run) or the max_position_embeddings of the Hugging Face decoder it
-  # names, else this run's data.seq_len.
-  scaling.original_max_len = 0
-  # ntk_by_parts / yarn: rotations per context above which a frequency is left alone.
-  scaling.beta_fast = 32.0
-  # ntk_by_parts / yarn: rotations per context below which a frequency is fully interpolated.
-  scaling.beta_slow = 1.0
-  # yarn: attention-factor coefficient (0 = use 0.1 ln(factor) + 1).
-  scaling.mscale = 0.0
-  # yarn: attention-factor coefficient of the denominator (0 = unused).
-  scaling.mscale_all_dim = 0.0
-  # llama3: wavelengths longer than L0 / low_freq_factor are fully interpolated.
-  scaling.low_freq_factor = 1.0
-  # llama3: wavelengths shorter than L0 / high_freq_factor are left alone.
-  scaling.high_freq_factor = 4.0
-  # longrope: per-dimension divisors of the frequencies (head_dim / 2 numbers) for lengths up
-  # to original_max_len, as Hugging Face's short_factor.
-  scaling.short_factor = ()
-  # longrope: the divisors for lengths beyond original_max_len (Hugging Face's long_factor).
-  scaling.long_factor = ()
-  # longrope: multiplier of sin and cos (0 = sqrt(1 + ln(factor) / ln(original_max_len))).
-  scaling.attention_factor = 0.0
-  # Training-free context extension of rotary decoders (eval.py --extend=KIND sets it at
-  # evaluation): each (query, key) pair gets remapped positions (roformer/posenc/extension.py).
-  posenc.extension = extension = ml_collections.ConfigDict()
-  # One of: none, self_extend, dca, rerope, string, sinks.
-  extension.kind = "none"
-  # self_extend: neighbour window W; rerope: clamp w; sinks: recent keys (the query included).
-  extension.window = 0
-  # self_extend: group size G (positions beyond the window are floor(pos / G)).
-  extension.group = 0
-  # dca: chunk length s (intra-chunk positions are pos mod s).
-  extension.chunk = 0
-  # dca: local window w; string: local value W (shifted distances restart at W).
-  extension.local = 0
-  # string: shifted offset S (distances >= S become d - S + W).
-  extension.shift = 0
-  # sinks: the first tokens every query keeps (StreamingLLM's attention sinks).
-  extension.sinks = 0
+  # ---- posenc: the positional encoding (posenc.kind picks it) ----
+  # The group is built from the encodings' own declarations (each PosEnc's `Fields`, and the
+  # cross-cutting fields of roformer/posenc/config.py), so an encoding registered by a module the
+  # config file imported brings its fields along. `python -m roformer.posenc` lists every field
+  # with its default and doc.
+  config.posenc = ml_collections.ConfigDict(posenc_defaults())
 
   # ---- data: corpus, tokenizer and windows ----
   config.data = data = ml_collections.ConfigDict()

@@ -20,10 +20,16 @@ from roformer.hf.decoders import DECODER_MODEL_TYPES
 from roformer.infra.sharding import MESH_AXES, MeshConfig
 from roformer.infra.workdir import CONFIG_FILE, read_config_json
 from roformer.nn.config import ModelConfig, unsupported_length
+from roformer.posenc import registry
 from roformer.posenc.config import ContextExtension, PosEncConfig, RopeScaling
+from roformer.posenc.layers import pattern_kinds
+from roformer.posenc.query_scale import resolve_query_scale_len
 
 SCHEDULES = ("cosine", "linear", "constant")
 # Fields a rerun in an existing workdir may change; any other difference is an error.
+# config.json's list of the modules outside roformer that registered encodings (imported again
+# before the rest is read).
+IMPORTS_KEY = "imports"
 RESUMABLE_FIELDS = (
   "train.num_train_steps",
   "train.log_every_steps",
@@ -131,6 +137,36 @@ def _build(cls: type, values: Mapping, prefix: str, **nested: Any) -> Any:
     raise
   except ValueError as e:  # a config's own checks (a ModelConfig validates itself when built)
     raise ConfigError(str(e)) from e
+
+
+def _build_posenc(values: Mapping, *, train_len: int) -> PosEncConfig:
+  """The posenc group: its own fields and every registered encoding's (`PosEnc.Fields`), with
+  the run-dependent defaults of the encodings the run's layers use resolved by those encodings
+  (`PosEnc.resolve_defaults`) and scaling.original_max_len 0 by `train_len`."""
+  if not isinstance(values, Mapping):
+    raise ConfigError(f"posenc must be a group of fields, got {values!r}")
+  values = dict(values)
+  scaling = _build(RopeScaling, dict(values.pop("scaling", {})), "posenc.scaling")
+  if scaling.original_max_len == 0:
+    scaling = dataclasses.replace(scaling, original_max_len=train_len)
+  extension = _build(ContextExtension, dict(values.pop("extension", {})), "posenc.extension")
+  hints = typing.get_type_hints(PosEncConfig)
+  types = {f.name: hints[f.name] for f in dataclasses.fields(PosEncConfig) if f.name != "own"}
+  types.update({name: f.type for name, f in registry.encoding_fields().items()})
+  unknown = sorted(set(values) - set(types))
+  if unknown:
+    names = ", ".join(f"posenc.{k}" for k in unknown)
+    raise ConfigError(
+      f"unknown config field {names}; posenc has: {', '.join(types)} (an encoding's own "
+      "fields exist once the module that registers it is imported)"
+    )
+  typed = {k: _coerce(v, types[k], f"posenc.{k}") for k, v in values.items()}
+  kinds = pattern_kinds(PosEncConfig(**typed, scaling=scaling, extension=extension))
+  for kind in dict.fromkeys(kinds):
+    if kind in registry.POSENCS:  # an unknown kind is reported when the model is checked
+      typed = registry.POSENCS[kind].resolve_defaults(typed, train_len=train_len)
+  typed = resolve_query_scale_len(typed, train_len=train_len)
+  return PosEncConfig(**typed, scaling=scaling, extension=extension)
 
 
 def _rules(value: Any) -> tuple:
@@ -284,16 +320,20 @@ def run_config_from_dict(config: Any, *, vocab_size: int | None = None) -> RunCo
       present (config.json), else ModelConfig's default (only right for the bytes tokenizer).
 
   Returns:
-    RunConfig, with posenc.scaling.original_max_len 0 replaced by the pretraining length: the
+    RunConfig, with the run-dependent defaults resolved from the pretraining length (the
     data.seq_len of the train.init_from run (a workdir with config.json), or the
-    max_position_embeddings of the Hugging Face decoder it names, else data.seq_len;
-    for CoPE posenc.cope_npos_max 0 by that length + 1 (CoPE's code: the block size + 1); and
-    for posenc.query_scale="logn" posenc.query_scale_len 0 by that length.
+    max_position_embeddings of the Hugging Face decoder it names, else data.seq_len):
+    posenc.scaling.original_max_len 0, each used encoding's own (`PosEnc.resolve_defaults`:
+    CoPE's table size) and posenc.query_scale_len 0 under "logn".
 
   Raises:
     ConfigError (a ValueError) naming the field and the allowed values.
   """
   values = _to_plain(config)
+  try:  # the modules a workdir recorded register the encodings its run uses
+    registry.import_modules(values.pop(IMPORTS_KEY, ()))
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
   groups = ("model", "posenc", "data", "optim", "train", "mesh")
   unknown = sorted(set(values) - set(groups))
   if unknown:
@@ -304,24 +344,9 @@ def run_config_from_dict(config: Any, *, vocab_size: int | None = None) -> RunCo
 
   data = _build(DataConfig, values["data"], "data")
   _validate_data(data)
-  posenc_values = dict(values["posenc"])
-  scaling_values = dict(posenc_values.get("scaling", {}))
-  scaling = _build(RopeScaling, scaling_values, "posenc.scaling")
-  if scaling.original_max_len == 0:
-    original = _init_from_seq_len(values["train"].get("init_from", "")) or data.seq_len
-    scaling = dataclasses.replace(scaling, original_max_len=original)
-  if posenc_values.get("query_scale", "none") == "logn" and not posenc_values.get(
-    "query_scale_len", 0
-  ):
-    # log_L0(n) is 1 up to the pretraining length, also in a fine-tune at another length.
-    pretrained = _init_from_seq_len(values["train"].get("init_from", "")) or data.seq_len
-    posenc_values["query_scale_len"] = pretrained
-  if posenc_values.get("kind") == "cope" and not posenc_values.get("cope_npos_max", 0):
-    # The pretraining length too, so a fine-tune at another length keeps the table's shape.
-    pretrained = _init_from_seq_len(values["train"].get("init_from", "")) or data.seq_len
-    posenc_values["cope_npos_max"] = pretrained + 1
-  extension = _build(ContextExtension, dict(posenc_values.get("extension", {})), "posenc.extension")
-  posenc = _build(PosEncConfig, posenc_values, "posenc", scaling=scaling, extension=extension)
+  # The pretraining length (a fine-tune at another length keeps what depends on it).
+  train_len = _init_from_seq_len(values["train"].get("init_from", "")) or data.seq_len
+  posenc = _build_posenc(values["posenc"], train_len=train_len)
   model_values = dict(values["model"])
   if vocab_size is not None:
     model_values["vocab_size"] = vocab_size
@@ -374,16 +399,22 @@ def _init_from_seq_len(init_from: Any) -> int:
 
 def to_dict(run_config: RunConfig) -> dict:
   """The resolved config as plain JSON-able groups (the layout of configs/default.py)."""
-  model = dataclasses.asdict(run_config.model)
-  posenc = model.pop("posenc")
-  return {
+  model = {
+    f.name: getattr(run_config.model, f.name)
+    for f in dataclasses.fields(run_config.model)
+    if f.name != "posenc"
+  }
+  values = {
     "model": model,
-    "posenc": posenc,
+    "posenc": run_config.model.posenc.to_dict(),
     "data": dataclasses.asdict(run_config.data),
     "optim": dataclasses.asdict(run_config.optim),
     "train": dataclasses.asdict(run_config.train),
     "mesh": json.loads(json.dumps(dataclasses.asdict(run_config.mesh))),
   }
+  if modules := registry.plugin_modules():
+    values[IMPORTS_KEY] = list(modules)
+  return values
 
 
 def _flatten(tree: Mapping, prefix: str = "") -> dict:
@@ -441,11 +472,10 @@ def check_resume(old: Mapping, new: RunConfig) -> None:
   """Raises ConfigError if `new` differs from DIR/config.json beyond RESUMABLE_FIELDS."""
   old = with_defaults(old)
   new_values = to_dict(new)
-  kind = new.model.posenc.kind
   changed = [
     n
     for n in changed_fields(old, new_values)
-    if n not in RESUMABLE_FIELDS and not other_kinds_field(n, kind)
+    if n not in RESUMABLE_FIELDS and not unused_encoding_field(n, new.model.posenc)
   ]
   if changed:
     flat_old, flat_new = _flatten(old), _flatten(new_values)
@@ -457,6 +487,10 @@ def check_resume(old: Mapping, new: RunConfig) -> None:
 
 
 def write_config_json(workdir: str | epath.Path, run_config: RunConfig) -> None:
+  try:  # eval.py and generate.py must be able to import them again
+    registry.check_importable(registry.plugin_modules())
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
   path = epath.Path(workdir)
   path.mkdir(parents=True, exist_ok=True)
   (path / CONFIG_FILE).write_text(json.dumps(to_dict(run_config), indent=2) + "\n")
@@ -470,14 +504,20 @@ def load_run_config(workdir: str | epath.Path) -> RunConfig:
   return run_config_from_dict(_written_before_per_layer(values))
 
 
-def other_kinds_field(name: str, kind: str) -> bool:
-  """Whether `name` is a field of another encoding (posenc.fire_* of a RoPE run): it cannot
-  change the run."""
-  return any(name.startswith(f"posenc.{other}_") for other in _KIND_PREFIXED if other != kind)
+def unused_encoding_field(name: str, posenc: PosEncConfig) -> bool:
+  """Whether `name` is a field that only encodings the run's layers do not use declare
+  (posenc.fire_* of a RoPE run): it cannot change the run."""
+  prefix, _, field = name.partition(".")
+  if prefix != "posenc" or field not in registry.encoding_fields():
+    return False
+  kinds = [k for k in dict.fromkeys(pattern_kinds(posenc)) if k in registry.POSENCS]
+  return not any(field in registry.fields_of(k) for k in kinds)
 
 
-# Encodings whose own fields are named posenc.<kind>_* (the rope_* fields serve xPos too).
-_KIND_PREFIXED = ("t5", "xpos", "fire", "sandwich", "cope", "pope")
+def posenc_defaults() -> dict:
+  """The posenc group's fields and defaults as nested plain values: the group of
+  configs/default.py, with the fields of every encoding registered when it is called."""
+  return PosEncConfig().to_dict()
 
 
 def describe(run_config: RunConfig) -> str:

@@ -10,6 +10,7 @@ import pytest
 
 from configs import default
 from roformer import config as config_lib
+from roformer import posenc
 from roformer.config import ConfigError
 from roformer.data.config import DataConfig
 from roformer.nn.config import ModelConfig
@@ -37,9 +38,6 @@ def _config_dict(**overrides):
   "group, cls, skip",
   [
     ("model", ModelConfig, ("vocab_size", "posenc")),
-    ("posenc", PosEncConfig, ("scaling", "extension")),
-    ("posenc.scaling", RopeScaling, ()),
-    ("posenc.extension", ContextExtension, ()),
     ("data", DataConfig, ()),
     ("optim", config_lib.OptimConfig, ()),
     ("train", config_lib.TrainConfig, ()),
@@ -58,9 +56,6 @@ def test_default_config_fields_match_dataclasses(group, cls, skip):
   "group, cls",
   [
     ("model", ModelConfig),
-    ("model.posenc", PosEncConfig),
-    ("model.posenc.scaling", RopeScaling),
-    ("model.posenc.extension", ContextExtension),
     ("data", DataConfig),
     ("optim", config_lib.OptimConfig),
     ("train", config_lib.TrainConfig),
@@ -72,12 +67,10 @@ def test_dataclass_defaults_are_the_values_of_configs_default(group, cls):
   loaded = config_lib.run_config_from_dict(default.get_config())
   for part in group.split("."):
     loaded = getattr(loaded, part)
-  # Filled by the loader from the config (0 = "the training length"), not a default of its own.
-  filled = {"original_max_len"} if cls is RopeScaling else set()
   differ = {
     f.name: (getattr(cls(), f.name), getattr(loaded, f.name))
     for f in dataclasses.fields(cls)
-    if f.name not in filled and not dataclasses.is_dataclass(getattr(loaded, f.name))
+    if not dataclasses.is_dataclass(getattr(loaded, f.name))
     and getattr(cls(), f.name) != getattr(loaded, f.name)
   }  # fmt: skip
   assert not differ, f"{group}: (dataclass default, configs/default.py) {differ}"
@@ -87,7 +80,7 @@ def test_default_config_every_field_has_comment_and_typed_default():
   lines = (REPO / "configs" / "default.py").read_text().splitlines()
   assignments = 0
   for i, line in enumerate(lines):
-    if re.match(r"^\s+(model|posenc|scaling|data|optim|train|mesh)\.\w+ = ", line):
+    if re.match(r"^\s+(model|data|optim|train|mesh)\.\w+ = ", line):
       assignments += 1
       assert lines[i - 1].strip().startswith("#"), f"no comment above: {line.strip()}"
       assert not line.rstrip().endswith("= None"), f"None default: {line.strip()}"
@@ -270,4 +263,45 @@ def test_a_run_of_another_encoding_resumes_whatever_the_cope_and_fire_fields_say
   old = config_lib.to_dict(config_lib.run_config_from_dict(config))
   del old["posenc"]["fire_shared"]
   with pytest.raises(ConfigError, match="posenc.fire_shared: True -> False"):
+    config_lib.check_resume(old, config_lib.run_config_from_dict(config))
+
+
+def test_default_posenc_group_is_every_declared_field_with_its_default():
+  # The group is derived from the declarations: the posenc group's own fields, its two
+  # sub-configs and every registered encoding's `Fields`, each at its declared default.
+  group = default.get_config().posenc
+  declared = {f.name: f.default for f in dataclasses.fields(PosEncConfig) if f.name != "own"}
+  declared.update({n: f.default for n, f in posenc.encoding_fields().items()})
+  scalars = {k: v for k, v in group.items() if not hasattr(v, "keys")}
+  assert scalars == {k: v for k, v in declared.items() if k not in ("scaling", "extension")}
+  for sub, cls in (("scaling", RopeScaling), ("extension", ContextExtension)):
+    assert dict(group[sub]) == {f.name: f.default for f in dataclasses.fields(cls)}
+  for kind in posenc.POSENCS:
+    for name, f in posenc.fields_of(kind).items():
+      assert f.metadata["doc"], f"posenc.{name} of {kind} has no doc"
+      assert name in group
+
+
+@pytest.mark.parametrize(
+  "kind, field, value",
+  [("fire", "fire_mlp_width", 16), ("t5", "t5_num_buckets", 8), ("xpos", "rope_layout", "half")],
+)
+def test_resume_rule_ignores_exactly_the_fields_no_used_encoding_declares(kind, field, value):
+  # xpos inherits RoPE's fields, so rope_layout is its own too.
+  config = _config_dict(**{"posenc.kind": kind})
+  old = config_lib.to_dict(config_lib.run_config_from_dict(config))
+  config.posenc[field] = value
+  with pytest.raises(ConfigError, match=f"posenc.{field}"):
+    config_lib.check_resume(old, config_lib.run_config_from_dict(config))
+  other = _config_dict(**{"posenc.kind": "alibi"})
+  old = config_lib.to_dict(config_lib.run_config_from_dict(other))
+  other.posenc[field] = value
+  config_lib.check_resume(old, config_lib.run_config_from_dict(other))
+
+
+def test_resume_rule_reads_every_kind_of_a_layer_pattern():
+  config = _config_dict(**{"posenc.kind": "rope", "posenc.layer_pattern": "rope,t5"})
+  old = config_lib.to_dict(config_lib.run_config_from_dict(config))
+  config.posenc.t5_num_buckets = 8
+  with pytest.raises(ConfigError, match="posenc.t5_num_buckets"):
     config_lib.check_resume(old, config_lib.run_config_from_dict(config))

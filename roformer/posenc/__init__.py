@@ -1,17 +1,22 @@
 """Every positional encoding: pure math functions, small modules and one registry.
 
 An encoding acts through up to three hooks of `PosEnc` (embed, rotate, bias); `POSENCS` maps
-`posenc.kind` to its class and is the only switch on the kind.
+`posenc.kind` to its class and is the only switch on the kind. Every module of this package is
+imported here, so an encoding registers itself (`@register("kind")` above its class) in its own
+file; an encoding of the user's own registers the same way from any module
+(roformer/posenc/registry.py, docs/extending.md).
 """
 
 import dataclasses
+import importlib
+import pkgutil
 
 import jax.numpy as jnp
 from flax import nnx
 
 from roformer.posenc.absolute import Learned, Sinusoidal, sinusoidal_embedding
-from roformer.posenc.base import NoPE, PosEnc
-from roformer.posenc.config import ROPE_LAYOUTS, PosEncConfig
+from roformer.posenc.base import PosEnc
+from roformer.posenc.config import ROPE_LAYOUTS, PosEncConfig, param
 from roformer.posenc.cope import Cope
 from roformer.posenc.fire import Fire
 from roformer.posenc.kerple import Kerple
@@ -24,8 +29,18 @@ from roformer.posenc.layers import (
   pattern_kinds,
   period,
 )
+from roformer.posenc.nope import NoPE
 from roformer.posenc.pope import Pope, pope_features, pope_frequencies
 from roformer.posenc.query_scale import QUERY_SCALES, QueryScale, check_query_scale
+from roformer.posenc.registry import (
+  POSENCS,
+  UnknownEncodingError,
+  encoding_fields,
+  fields_of,
+  register,
+  unknown_kind_message,
+  unregister,
+)
 from roformer.posenc.relative import Alibi, T5Bias, alibi_slopes, t5_relative_bucket
 from roformer.posenc.rope import (
   Rope,
@@ -38,20 +53,11 @@ from roformer.posenc.rope import (
 from roformer.posenc.rope_scaling import SCALING_KINDS, check_scaling, rope_frequencies
 from roformer.posenc.sandwich import Sandwich
 
-POSENCS: dict[str, type[PosEnc]] = {
-  "rope": Rope,
-  "sinusoidal": Sinusoidal,
-  "learned": Learned,
-  "alibi": Alibi,
-  "t5": T5Bias,
-  "xpos": XPos,
-  "nope": NoPE,
-  "kerple": Kerple,
-  "fire": Fire,
-  "sandwich": Sandwich,
-  "cope": Cope,
-  "pope": Pope,
-}
+# The built-in encodings register when their modules are imported: import every module of the
+# package, so a new file with a registered class needs no line here.
+for _module in pkgutil.iter_modules(__path__):
+  if not _module.name.startswith("_"):
+    importlib.import_module(f"{__name__}.{_module.name}")
 
 
 def validate_posenc(
@@ -70,7 +76,7 @@ def validate_posenc(
     attention_impl: the model's kernel (an encoding with a content bias needs dense or auto).
   """
   if cfg.kind not in POSENCS:
-    raise ValueError(f"posenc.kind={cfg.kind!r} is not one of {tuple(POSENCS)}")
+    raise UnknownEncodingError(unknown_kind_message(cfg.kind))
   if has_pattern(cfg) and (error := parse_error(cfg, POSENCS)):
     raise ValueError(error)
   check_query_scale(cfg, causal=causal)
@@ -239,19 +245,25 @@ __all__ = [
   "Rope",
   "Sandwich",
   "Sinusoidal",
+  "UnknownEncodingError",
   "T5Bias",
   "XPos",
   "alibi_slopes",
   "apply_rotary",
+  "encoding_fields",
+  "fields_of",
   "layer_configs",
   "make_posenc",
+  "param",
   "pope_features",
   "pope_frequencies",
+  "register",
   "rope_frequencies",
   "rope_long_term_decay",
   "rope_sin_cos",
   "rotary_dims",
   "sinusoidal_embedding",
   "t5_relative_bucket",
+  "unregister",
   "validate_posenc",
 ]

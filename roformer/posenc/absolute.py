@@ -1,11 +1,14 @@
 """Absolute position embeddings added to the token embeddings: sinusoidal and learned."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from roformer.posenc.base import PosEnc, check_positions
-from roformer.posenc.config import PosEncConfig
+from roformer.posenc.config import PosEncConfig, param
+from roformer.posenc.registry import register
 
 EXTRAPOLATING_KINDS = ("rope", "alibi", "t5", "xpos", "nope")
 
@@ -32,6 +35,7 @@ def sinusoidal_embedding(pos_BL: jax.Array, dim: int, max_wavelength: float = 10
   return pe_BLk2.reshape(*pos_BL.shape, 2 * half)[..., :dim]
 
 
+@register("sinusoidal")
 class Sinusoidal(PosEnc):
   """Fixed sinusoidal absolute positions (Vaswani et al. 2017), added to the embeddings.
 
@@ -39,6 +43,14 @@ class Sinusoidal(PosEnc):
   "we multiply those weights by sqrt(d_model)"; fairseq's N(0, 1/d) table times sqrt(d)). With
   BERT's N(0, 0.02^2) tokens instead, position outweighs token identity by about 35 to 1.
   """
+
+  @dataclasses.dataclass(frozen=True)
+  class Fields(PosEnc.Fields):
+    """posenc.* fields of this encoding."""
+
+    max_wavelength: float = param(
+      10000.0, "base b of the frequencies: RoPE / xPos / sinusoidal b^(-2i/d), pope b^(-c/d)"
+    )
 
   paper_embed_scale = "sqrt_d"
 
@@ -49,6 +61,7 @@ class Sinusoidal(PosEnc):
     return x_BLD + pe_BLD.astype(x_BLD.dtype)
 
 
+@register("learned")
 class Learned(PosEnc):
   """A learned table of posenc.max_len absolute positions (BERT), added to the embeddings.
 
@@ -59,6 +72,16 @@ class Learned(PosEnc):
   Positions at or past max_len have no row: a longer input is a ValueError at trace time, and
   an out-of-range position inside a shorter input reads NaN instead of a silently clamped row.
   """
+
+  @dataclasses.dataclass(frozen=True)
+  class Fields(PosEnc.Fields):
+    """posenc.* fields of this encoding."""
+
+    max_len: int = param(
+      512,
+      "learned: size of the position table (longest sequence the model can take)",
+      reshapes=True,
+    )
 
   def __init__(self, cfg: PosEncConfig, *, emb_dim: int, rngs: nnx.Rngs, **kwargs):
     super().__init__(cfg, emb_dim=emb_dim, rngs=rngs, **kwargs)

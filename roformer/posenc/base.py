@@ -4,6 +4,7 @@ Legend: B batch, L query length, S key length, H query heads, G key/value heads,
 D model dim.
 """
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -36,6 +37,12 @@ class PosEnc(nnx.Module):
       do not, so `posenc.randomize_max` would change nothing and is refused).
   """
 
+  @dataclasses.dataclass(frozen=True)
+  class Fields:
+    """The encoding's own posenc.* fields, each declared with `param(default, doc)`; a subclass
+    extends its parent's (`class Fields(Rope.Fields)`). The registry adds them to the posenc
+    config group and reads them as `cfg.<name>` (`PosEncConfig`)."""
+
   paper_embed_scale = "none"
   accepts_rope_scaling = False
   causal_only = False
@@ -67,6 +74,18 @@ class PosEnc(nnx.Module):
     self.emb_dim = emb_dim
     self.causal = causal
     self.param_dtype = jnp.dtype(param_dtype)
+
+  @classmethod
+  def resolve_defaults(cls, values: dict, *, train_len: int) -> dict:
+    """The posenc.* values of a run with this encoding's run-dependent defaults filled in.
+
+    Called at the config boundary on the plain values (before they are checked), for every
+    encoding a layer of the run uses. `train_len` is the pretraining length: the data.seq_len
+    of the train.init_from run (or the Hugging Face decoder's max_position_embeddings) when
+    there is one, else this run's data.seq_len. Returns `values` (here unchanged).
+    """
+    del train_len
+    return values
 
   @classmethod
   def check_config(cls, cfg: PosEncConfig, *, causal: bool, head_dim: int) -> None:
@@ -201,23 +220,6 @@ class PosEnc(nnx.Module):
   # `content_bias(q_BLHK, k_BSGK, mask_BLS) -> float32 [B, H, L, S]` added to the scaled logits.
   # None (the default) means the encoding has none; only the dense kernel can call it.
   content_bias = None
-
-
-class NoPE(PosEnc):
-  """No positional encoding (Kazemnejad et al. 2023): a causal decoder infers order by its mask.
-
-  Decoders only: without a causal mask, attention and every position-wise layer are
-  permutation-equivariant, so an encoder without positions is exactly a bag of words.
-  """
-
-  causal_only = True
-  causal_reason = (
-    "without a causal mask an encoder is permutation-equivariant (a bag of words) and cannot "
-    "learn word order"
-  )
-  # The paper's models are Hugging Face T5 decoders: tokens N(0, 1), tied logits times d^-0.5.
-  paper_embed_scale = "sqrt_d"
-  reads_positions = False
 
 
 def check_positions(pos: jax.Array, name: str, leading: tuple[int, ...] | None = None) -> None:

@@ -1,5 +1,6 @@
 """CoPE (Golovneva et al. 2024): contextual positions counted by gates of the queries and keys."""
 
+import dataclasses
 import math
 
 import jax
@@ -7,7 +8,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from roformer.posenc.base import PosEnc
-from roformer.posenc.config import PosEncConfig
+from roformer.posenc.config import PosEncConfig, param
+from roformer.posenc.registry import register
 
 
 def cope_positions(q_BLHK, k_BSGK, mask_BLS):
@@ -47,6 +49,7 @@ def cope_logits(q_BLHK, pos_BHLS, pos_emb_PK):
   return z_ceil * w_BHLS + z_floor * (1.0 - w_BHLS)
 
 
+@register("cope")
 class Cope(PosEnc):
   """CoPE: a_ij = q_i . (k_j + e[p_ij]) / sqrt(K), p_ij = sum_{t=j..i} sigmoid(q_i . k_t / sqrt(K)).
 
@@ -69,6 +72,28 @@ class Cope(PosEnc):
   twice); `auto` therefore picks the dense kernel for CoPE at every length.
   """
 
+  @dataclasses.dataclass(frozen=True)
+  class Fields(PosEnc.Fields):
+    """posenc.* fields of this encoding."""
+
+    max_len: int = param(
+      512,
+      "learned: size of the position table; cope without cope_npos_max: max_len + 1 embeddings",
+      reshapes=True,
+    )
+    cope_npos_max: int = param(
+      0,
+      "number of learned position embeddings; contextual positions clamp to it - 1. 0 = "
+      "data.seq_len + 1, the default of the paper's code (the block size + 1)",
+      reshapes=True,
+    )
+    cope_shared: bool = param(
+      False,
+      "one position table shared by every layer instead of one per layer (the paper's code: "
+      "--cope-shared, off by default)",
+      reshapes=True,
+    )
+
   causal_only = True
   causal_reason = "its positions count the keys from j up to the query"
   reads_positions = False  # its positions come from the gates, never from the token positions
@@ -79,6 +104,13 @@ class Cope(PosEnc):
     self.npos = cfg.cope_npos_max or cfg.max_len + 1
     init = nnx.with_partitioning(nnx.initializers.zeros, (None, "kv"))
     self.pos_emb = nnx.Param(init(jax.random.key(0), (self.npos, head_dim), self.param_dtype))
+
+  @classmethod
+  def resolve_defaults(cls, values: dict, *, train_len: int) -> dict:
+    # The pretraining length, so a fine-tune at another length keeps the table's shape.
+    if not values.get("cope_npos_max", 0):
+      values = {**values, "cope_npos_max": train_len + 1}
+    return values
 
   @classmethod
   def per_layer(cls, cfg: PosEncConfig) -> bool:

@@ -1,5 +1,6 @@
 """FIRE (Li et al. 2024): a learned MLP of the progressively normalised log distance, per head."""
 
+import dataclasses
 import math
 
 import jax
@@ -7,7 +8,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from roformer.posenc.base import PosEnc, check_positions
-from roformer.posenc.config import PosEncConfig
+from roformer.posenc.config import PosEncConfig, param
+from roformer.posenc.registry import register
 
 FIRE_EPS = 1e-6  # keeps the normaliser's log away from 0 (the paper's code)
 
@@ -37,6 +39,7 @@ def fire_mlp(x_BLS, w1_W, b1_W, w2_WH, b2_H):
   return out_BHLS + b2_H.astype(jnp.float32)[None, :, None, None]
 
 
+@register("fire")
 class Fire(PosEnc):
   """FIRE: b(i, j) = f_theta(psi(i - j) / psi(max(L, i))), psi(x) = log(c x + 1), per head.
 
@@ -50,6 +53,21 @@ class Fire(PosEnc):
   variant FIRE-S. An encoder
   gets the symmetric form |i - j| (the paper defines FIRE for causal attention).
   """
+
+  @dataclasses.dataclass(frozen=True)
+  class Fields(PosEnc.Fields):
+    """posenc.* fields of this encoding."""
+
+    fire_mlp_width: int = param(32, "hidden width of the MLP f_theta (paper: 32)", reshapes=True)
+    fire_init_c: float = param(0.1, "initial c of psi(x) = log(c x + 1), learned (paper: 0.1)")
+    fire_init_threshold: float = param(
+      512.0, "initial threshold L of the normaliser psi(max(L, i)), learned (paper: 512)"
+    )
+    fire_shared: bool = param(
+      False,
+      "one MLP shared by every layer (the paper's FIRE-S) instead of one per layer (FIRE)",
+      reshapes=True,
+    )
 
   def __init__(self, cfg: PosEncConfig, *, num_heads: int, rngs: nnx.Rngs, **kwargs):
     super().__init__(cfg, num_heads=num_heads, rngs=rngs, **kwargs)

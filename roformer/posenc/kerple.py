@@ -6,6 +6,7 @@ from flax import nnx
 
 from roformer.posenc.base import PosEnc, check_positions
 from roformer.posenc.config import PosEncConfig
+from roformer.posenc.registry import register
 
 # The paper's code clamps r1 and r2 to at least this, in place, before every forward pass, and
 # trains the clamped values. Here the forward pass reads max(r, EPS) with the gradient of r (a
@@ -29,6 +30,7 @@ def kerple_log_bias(qpos_BL, kpos_BS, r1_H, r2_H):
   return -r1_1H11 * jnp.log1p(r2_1H11 * distance_BLS[:, None])
 
 
+@register("kerple")
 class Kerple(PosEnc):
   """KERPLE-log: bias_h(m, n) = -r1_h log(1 + r2_h |m - n|), r1_h, r2_h > 0 learned per head.
 

@@ -39,6 +39,7 @@ its attention factor; they do not carry over to PoPE's K frequencies and are ref
 context extensions (PoPE extrapolates without them, the paper's point).
 """
 
+import dataclasses
 import math
 
 import jax
@@ -47,7 +48,8 @@ import numpy as np
 from flax import nnx
 
 from roformer.posenc.base import PosEnc, check_positions
-from roformer.posenc.config import PosEncConfig
+from roformer.posenc.config import PosEncConfig, param
+from roformer.posenc.registry import register
 
 POPE_BIAS_INITS = ("zeros", "uniform")
 POPE_BIAS_MIN, POPE_BIAS_MAX = -2.0 * math.pi, 0.0
@@ -95,6 +97,7 @@ def pope_features(
   return jnp.concatenate(features, axis=-1).astype(x_BLHK.dtype)
 
 
+@register("pope")
 class Pope(PosEnc):
   """PoPE: softplus magnitudes, phases t theta_c (queries) and s theta_c + delta_c (keys).
 
@@ -102,6 +105,19 @@ class Pope(PosEnc):
   Parameters: delta [G, K] ('heads', 'kv'), no weight decay (a phase is not a weight to shrink
   toward 0). Frequencies are constants of (K, b), so `prepare` has no state to compute.
   """
+
+  @dataclasses.dataclass(frozen=True)
+  class Fields(PosEnc.Fields):
+    """posenc.* fields of this encoding."""
+
+    max_wavelength: float = param(
+      10000.0, "base b of the frequencies: RoPE / xPos / sinusoidal b^(-2i/d), pope b^(-c/d)"
+    )
+    pope_bias_init: str = param(
+      "zeros",
+      "initial key phase bias delta (per key/value head and dim, kept in [-2 pi, 0]): 'zeros' or "
+      "'uniform' in [-2 pi, 0] (the paper's two options)",
+    )
 
   def __init__(self, cfg: PosEncConfig, *, head_dim: int, rngs: nnx.Rngs, **kwargs):
     super().__init__(cfg, head_dim=head_dim, rngs=rngs, **kwargs)

@@ -49,6 +49,14 @@ def llama4_scale(pos_BL: jax.Array, beta: float, floor_scale: float) -> jax.Arra
   return 1.0 + beta * jnp.log(jnp.floor(_n(pos_BL) / floor_scale) + 1.0)
 
 
+def resolve_query_scale_len(values: dict, *, train_len: int) -> dict:
+  """posenc values with logn's query_scale_len 0 replaced by the pretraining length: log_L0(n)
+  is 1 up to that length, also in a fine-tune at another length."""
+  if values.get("query_scale", "none") == "logn" and not values.get("query_scale_len", 0):
+    values = {**values, "query_scale_len": train_len}
+  return values
+
+
 def check_query_scale(cfg: PosEncConfig, *, causal: bool) -> None:
   """Raises ValueError naming the field for a query temperature that cannot be honoured."""
   if cfg.query_scale not in QUERY_SCALES:

@@ -4,6 +4,7 @@ Both are computed from the positions of any block of queries and keys, so a bloc
 never materialises an L x S bias. Biases are float32 [B, H, L, S].
 """
 
+import dataclasses
 import math
 
 import jax
@@ -12,7 +13,8 @@ import numpy as np
 from flax import nnx
 
 from roformer.posenc.base import PosEnc, check_positions
-from roformer.posenc.config import PosEncConfig
+from roformer.posenc.config import PosEncConfig, param
+from roformer.posenc.registry import register
 
 
 def alibi_slopes(num_heads: int) -> jax.Array:
@@ -45,6 +47,7 @@ def _alibi_slopes_np(num_heads: int) -> np.ndarray:
   return np.asarray(slopes, np.float32)
 
 
+@register("alibi")
 class Alibi(PosEnc):
   """ALiBi: a per-head linear penalty on query-key distance.
 
@@ -130,6 +133,7 @@ def t5_relative_bucket(
   return ret + jnp.where(n < max_exact, n, large)
 
 
+@register("t5")
 class T5Bias(PosEnc):
   """T5's learned relative bias: one scalar per (head, bucket) of key_pos - query_pos.
 
@@ -137,6 +141,13 @@ class T5Bias(PosEnc):
   encoder and causal for a decoder. T5's token embeddings are N(0, 1) and unscaled, and its tied
   output layer first multiplies by d^-0.5: the forward pass of "sqrt_d" (N(0, 1/d) times sqrt(d)).
   """
+
+  @dataclasses.dataclass(frozen=True)
+  class Fields(PosEnc.Fields):
+    """posenc.* fields of this encoding."""
+
+    t5_num_buckets: int = param(32, "number of relative-position buckets", reshapes=True)
+    t5_max_distance: int = param(128, "distance beyond which all positions share the last bucket")
 
   paper_embed_scale = "sqrt_d"
 

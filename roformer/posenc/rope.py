@@ -5,6 +5,7 @@ position such as 65,537 is not even representable, so reduced-precision angles a
 whole turns. Rotation happens in float32 and the result is cast back to the input dtype.
 """
 
+import dataclasses
 import math
 from typing import NamedTuple
 
@@ -13,9 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from roformer.posenc.base import PosEnc, check_positions
-from roformer.posenc.config import PosEncConfig
+from roformer.posenc.config import PosEncConfig, param
 from roformer.posenc.extension import position_pieces
 from roformer.posenc.prope import truncate_frequencies
+from roformer.posenc.registry import register
 from roformer.posenc.resonance import resonance_frequencies
 from roformer.posenc.rope_scaling import check_scaling, rope_frequencies
 
@@ -156,6 +158,7 @@ class RotaryState(NamedTuple):
   centre_B1: jax.Array | None = None
 
 
+@register("rope")
 class Rope(PosEnc):
   """Rotary position embedding on the first `rope_fraction` of each head's dims.
 
@@ -166,6 +169,29 @@ class Rope(PosEnc):
   that one state. `posenc.rope_resonance` rounds every wavelength to an integer (Resonance RoPE,
   after the scaling: Resonance YaRN with `posenc.scaling.kind="yarn"`).
   """
+
+  @dataclasses.dataclass(frozen=True)
+  class Fields(PosEnc.Fields):
+    """posenc.* fields of this encoding."""
+
+    max_wavelength: float = param(
+      10000.0, "base b of the frequencies: RoPE / xPos / sinusoidal b^(-2i/d), pope b^(-c/d)"
+    )
+    rope_layout: str = param(
+      "interleaved",
+      "pairing of dimensions: 'interleaved' (2i, 2i+1) as in RoFormer, or 'half' (i, i + d/2)",
+    )
+    rope_fraction: float = param(1.0, "fraction of each head's dimensions that rotate (1.0 = all)")
+    rope_truncate: float = param(
+      0.0,
+      "p-RoPE (Barbero et al. 2024): fraction of the lowest frequencies set to zero (they do not "
+      "rotate); p = 1 - rope_truncate. 0 = plain RoPE",
+    )
+    rope_resonance: bool = param(
+      False,
+      "Resonance RoPE (Wang et al. 2024): every wavelength 2 pi / theta_i rounded to an "
+      "integer and theta_i recomputed, after posenc.scaling (with yarn: Resonance YaRN)",
+    )
 
   accepts_rope_scaling = True
 
@@ -250,6 +276,7 @@ class Rope(PosEnc):
     return position_pieces(self.cfg.extension, qpos_BL, kpos_BS)
 
 
+@register("xpos")
 class XPos(Rope):
   """xPos (Sun et al. 2022): RoPE whose pair i is scaled by zeta_i^(n / scale_base).
 
@@ -266,6 +293,15 @@ class XPos(Rope):
   The paper's extrapolation results use blockwise causal attention (BCA) at inference, which
   `eval.py --bca` applies; curves without it are labelled "no BCA".
   """
+
+  @dataclasses.dataclass(frozen=True)
+  class Fields(Rope.Fields):
+    """posenc.* fields of this encoding."""
+
+    xpos_gamma: float = param(
+      0.4, "gamma of the per-dimension decay base (zeta_i = (i / (d/2) + gamma) / (1 + gamma))"
+    )
+    xpos_scale_base: float = param(512.0, "the scale base dividing positions in the decay exponent")
 
   causal_only = True
   causal_reason = (

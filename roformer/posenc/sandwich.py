@@ -1,11 +1,14 @@
 """Sandwich (Chi et al. 2023): a parameter-free bias from inner products of sinusoids."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from roformer.posenc.base import PosEnc, check_positions
-from roformer.posenc.config import PosEncConfig
+from roformer.posenc.config import PosEncConfig, param
+from roformer.posenc.registry import register
 
 
 def sandwich_bias(qpos_BL, kpos_BS, *, dim: int, num_heads: int):
@@ -29,6 +32,7 @@ def sandwich_bias(qpos_BL, kpos_BS, *, dim: int, num_heads: int):
   return total_BLS[:, None] / compress_1H11[None, :, None, None]
 
 
+@register("sandwich")
 class Sandwich(PosEnc):
   """Sandwich: bias_h(m, n) = (sum_{i=1}^{d'/2} cos((m - n) theta_i) - d'/2) / (8h / H).
 
@@ -36,6 +40,16 @@ class Sandwich(PosEnc):
   choice: the inner product of the model's own sinusoidal embeddings). No parameters; cos is
   even, so the same bias serves encoders and decoders.
   """
+
+  @dataclasses.dataclass(frozen=True)
+  class Fields(PosEnc.Fields):
+    """posenc.* fields of this encoding."""
+
+    sandwich_dim: int = param(
+      0,
+      "dimension d' of the sinusoidal embeddings whose inner products form the bias (0 = "
+      "model.emb_dim, as in the paper)",
+    )
 
   # Its paper ran in the ALiBi paper's fairseq setup: tokens N(0, 1/d) times sqrt(d).
   paper_embed_scale = "sqrt_d"

@@ -23,6 +23,7 @@ from roformer.infra import checkpoint
 from roformer.nn import config as nn_config
 from roformer.nn import model as model_lib
 from roformer.nn.config import ModelConfig
+from roformer.posenc.config import PosEncConfig
 
 
 def _is_hf_dir(path: epath.Path) -> bool:
@@ -171,9 +172,12 @@ def _config_fields(cfg, prefix: str = "model") -> dict:
   """A ModelConfig's fields by their config names (model.*, posenc.*, posenc.scaling.*), in the
   order of the dataclasses."""
   out = {}
-  for field in dataclasses.fields(cfg):
-    value = getattr(cfg, field.name)
-    name = "posenc" if field.name == "posenc" else f"{prefix}.{field.name}"
+  if isinstance(cfg, PosEncConfig):  # its encodings' fields are registered, not dataclass fields
+    items = cfg.items()
+  else:
+    items = [(field.name, getattr(cfg, field.name)) for field in dataclasses.fields(cfg)]
+  for field_name, value in items:
+    name = "posenc" if field_name == "posenc" else f"{prefix}.{field_name}"
     if dataclasses.is_dataclass(value):
       out.update(_config_fields(value, name))
     else:
@@ -200,8 +204,8 @@ def hf_decoder_model(init_from: str, model_cfg: ModelConfig) -> ModelConfig | No
   fixes every field that changes the numbers. The run chooses FINE_TUNE_FIELDS, and may set a
   posenc.scaling (PI, YaRN, ... to extend the context), which replaces the checkpoint's own; a
   run with posenc.scaling.kind='none' keeps the checkpoint's, which must then be none too.
-  Fields read only by other encodings (posenc.xpos_*, ...) are not compared. "0 = default"
-  fields compare by what they resolve to (model.head_dim=0 is emb_dim // num_heads).
+  Fields of encodings the checkpoint does not use (posenc.xpos_*, ...) are not compared.
+  "0 = default" fields compare by what they resolve to (model.head_dim=0 is emb_dim // num_heads).
 
   Raises:
     ConfigError naming train.init_from, the first field that differs and both values; or the
@@ -243,7 +247,7 @@ def _first_difference(run: ModelConfig, checkpoint: ModelConfig) -> tuple | None
   ours, theirs = _comparable_fields(run), _comparable_fields(checkpoint)
   keeps_scaling = run.posenc.scaling.kind == "none"
   for name, value in theirs.items():
-    if name in FINE_TUNE_FIELDS or config_lib.other_kinds_field(name, checkpoint.posenc.kind):
+    if name in FINE_TUNE_FIELDS or config_lib.unused_encoding_field(name, checkpoint.posenc):
       continue
     if name.startswith("posenc.scaling.") and not (keeps_scaling and name == "posenc.scaling.kind"):
       continue

@@ -22,7 +22,7 @@ def test_validate_posenc_accepts_good_configs(kind, causal):
 
 
 _BAD = [
-  (dict(kind="bogus"), {}, "posenc.kind='bogus' is not one of .*'rope'.*'nope'"),
+  (dict(kind="bogus"), {}, "posenc.kind='bogus' is not a registered encoding .*rope"),
   (dict(rope_layout="zigzag"), {}, "posenc.rope_layout='zigzag' is not one of .*'half'"),
   (dict(scaling=RopeScaling(kind="foo")), {}, "posenc.scaling.kind='foo' is not one of .*'yarn'"),
   (dict(kind="rope"), dict(head_dim=63), r"model.head_dim=63 must be even for posenc.kind='rope'"),
@@ -117,3 +117,45 @@ def test_every_scaling_is_a_registry_entry_that_says_whether_it_needs_the_pretra
         rope_scaling.check_scaling(scaling)
     else:
       rope_scaling.check_scaling(scaling)
+
+
+def _encoding(**fields):
+  """A PosEnc subclass whose Fields declare `fields` (name -> (type, default, doc))."""
+  annotations = {name: typ for name, (typ, _, _) in fields.items()}
+  namespace = {n: posenc.param(d, doc) for n, (_, d, doc) in fields.items()}
+  fields_cls = dataclasses.dataclass(frozen=True)(
+    type("Fields", (posenc.PosEnc.Fields,), {"__annotations__": annotations, **namespace})
+  )
+  return type("Toy", (posenc.PosEnc,), {"Fields": fields_cls})
+
+
+@pytest.mark.parametrize(
+  "kind, cls, message",
+  [
+    ("Toy", _encoding(), "lowercase identifier"),
+    ("rope", _encoding(), "registered already"),
+    ("toy", object, "subclass of roformer.posenc.PosEnc"),
+    ("toy", _encoding(randomize_max=(int, 0, "doc")), "field of the posenc group itself"),
+    ("toy", _encoding(toy_width=(int, 3, "")), "has no doc"),
+    ("toy", _encoding(max_len=(int, 7, "doc")), "clashes with the field"),
+  ],
+)
+def test_register_refuses_what_would_make_the_posenc_group_ambiguous(kind, cls, message):
+  with pytest.raises(ValueError, match=message):
+    posenc.register(kind, cls)
+  assert "toy" not in posenc.POSENCS and "toy_width" not in posenc.encoding_fields()
+
+
+def test_a_registered_encoding_brings_its_fields_into_the_posenc_group():
+  toy = _encoding(toy_width=(int, 3, "width"), max_len=(int, 512, "shared with learned"))
+  posenc.register("toy", toy)
+  try:
+    cfg = PosEncConfig(kind="toy", toy_width=5)
+    assert (cfg.toy_width, cfg.max_len) == (5, 512)
+    assert PosEncConfig(kind="toy") == PosEncConfig(kind="toy", toy_width=3)  # defaults not stored
+    assert set(posenc.fields_of("toy")) == {"toy_width", "max_len"}
+    posenc.validate_posenc(cfg, causal=True, head_dim=8)
+  finally:
+    posenc.unregister("toy")
+  with pytest.raises(TypeError, match="no field 'toy_width'"):
+    PosEncConfig(kind="toy", toy_width=5)

@@ -1,0 +1,148 @@
+"""An encoding from the user's own module: trained, resumed, evaluated and sampled by the CLIs.
+
+The module (docs/examples/gauss_bias.py, copied into a temporary directory) and a config file that
+imports it live outside the repository, as in a researcher's own project; nothing of the
+repository is edited. Its directory is on PYTHONPATH, as a user's package would be.
+"""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from roformer import testing
+
+EXAMPLE = testing.REPO / "docs" / "examples" / "gauss_bias.py"
+
+CONFIG = """
+{imports}
+from configs import default
+
+
+def get_config():
+  config = default.get_config()
+  config.posenc.kind = "gauss"
+{field}
+  return config
+"""
+WITH_IMPORT = {"imports": "import gauss_bias  # registers posenc.kind='gauss'", "field": ""}
+
+SHORT = {
+  **testing.TINY_TRAIN,
+  "model.dropout_rate": 0.0,
+  "train.num_train_steps": 4,
+  "train.checkpoint_every_steps": 2,
+  "train.eval_every_steps": 0,
+  "train.log_every_steps": 1,
+}
+
+
+def _project(tmp_path, **config):
+  """The user's project: their encoding module and a config file that imports it."""
+  shutil.copy(EXAMPLE, tmp_path / "gauss_bias.py")
+  (tmp_path / "gauss_config.py").write_text(CONFIG.format(**config))
+  return tmp_path
+
+
+def _run(script, *args, cwd, timeout=600):
+  env = testing.subprocess_env(PYTHONPATH=f"{cwd}:{testing.REPO}")
+  return subprocess.run(
+    [sys.executable, str(testing.REPO / script), *args],
+    cwd=cwd,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+  )
+
+
+def _train(project, workdir, **overrides):
+  settings = {**SHORT, **overrides}
+  args = [f"--config={project / 'gauss_config.py'}", f"--workdir={workdir}"]
+  return _run("train.py", *args, *testing.flag_args(settings), cwd=project)
+
+
+def _repository_state() -> str:
+  result = subprocess.run(
+    ["git", "status", "--porcelain", "--untracked-files=all"],
+    cwd=testing.REPO,
+    capture_output=True,
+    text=True,
+  )
+  return result.stdout if result.returncode == 0 else ""
+
+
+def _records(workdir):
+  lines = (workdir / "metrics.jsonl").read_text().splitlines()
+  return [json.loads(line) for line in lines]
+
+
+@pytest.mark.slow
+def test_an_encoding_of_the_users_own_trains_resumes_evaluates_and_generates(tmp_path):
+  before = _repository_state()
+  project = _project(
+    tmp_path, imports=WITH_IMPORT["imports"], field="  config.posenc.gauss_init_sigma = 4.0"
+  )
+  workdir = tmp_path / "run"
+  result = _train(project, workdir)
+  assert result.returncode == 0, result.stderr[-3000:]
+  saved = json.loads((workdir / "config.json").read_text())
+  assert saved["posenc"]["kind"] == "gauss" and saved["posenc"]["gauss_init_sigma"] == 4.0
+  assert saved["imports"] == ["gauss_bias"]  # what eval.py and generate.py import again
+  first = {r["step"]: r["train_loss"] for r in _records(workdir) if "train_loss" in r}
+  assert sorted(first) == [1, 2, 3, 4]
+
+  # A restart with more steps resumes from step 4; the field cannot change on resume.
+  result = _train(project, workdir, **{"train.num_train_steps": 6})
+  assert result.returncode == 0, result.stderr[-3000:]
+  steps = [r["step"] for r in _records(workdir) if "train_loss" in r]
+  assert steps == [1, 2, 3, 4, 5, 6]  # no step trained twice: it resumed
+  changed = _train(project, workdir, **{"train.num_train_steps": 8, "posenc.gauss_init_sigma": 2.0})
+  assert changed.returncode != 0 and "posenc.gauss_init_sigma: 4.0 -> 2.0" in changed.stderr
+
+  # eval.py and generate.py open the workdir by its config.json alone (no --config).
+  result = _run(
+    "eval.py",
+    f"--workdir={workdir}",
+    "--lengths=16,32",
+    "--max_tokens=64",
+    "--batch_size=4",
+    "--protocol=nonoverlapping",
+    "--out=gauss",
+    cwd=project,
+  )
+  assert result.returncode == 0, result.stderr[-3000:]
+  scored = json.loads((workdir / "eval" / "gauss.json").read_text())
+  assert scored["posenc"] == "gauss"
+  assert [r["length"] for r in scored["records"]] == [16, 32]
+  assert all(r["loss"] > 0 for r in scored["records"])
+  result = _run(
+    "generate.py", f"--workdir={workdir}", "--prompt=def ", "--max_new_tokens=8", cwd=project
+  )
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert result.stdout.strip()
+  assert _repository_state() == before
+
+
+def test_the_same_run_without_the_import_names_the_kind_and_how_to_register_it(tmp_path):
+  project = _project(tmp_path, imports="", field="")
+  result = _train(project, tmp_path / "run")
+  assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
+  errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]
+  assert len(errors) == 1, result.stderr[-3000:]
+  assert "posenc.kind='gauss' is not a registered encoding" in errors[0]
+  assert "@roformer.posenc.register('gauss')" in errors[0]
+  assert not (tmp_path / "run" / "config.json").exists()
+
+
+def test_a_workdir_whose_encoding_module_is_gone_says_which_module_to_put_on_the_path(tmp_path):
+  project = _project(tmp_path, **WITH_IMPORT)
+  workdir = tmp_path / "run"
+  result = _train(project, workdir, **{"train.num_train_steps": 1})
+  assert result.returncode == 0, result.stderr[-3000:]
+  (project / "gauss_bias.py").unlink()
+  result = _run("eval.py", f"--workdir={workdir}", "--lengths=16", "--max_tokens=32", cwd=project)
+  assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
+  assert "module 'gauss_bias'" in result.stderr and "PYTHONPATH" in result.stderr
