@@ -9,9 +9,9 @@ the code and returns a function that undoes the patch) and compiled with the fil
 pairs, A B, B A, A B, ... so drift hits both alike, and the table gives the median of the pairs'
 speed ratios B / A with its quartiles.
 
-  JAX_PLATFORMS=cpu python benchmarks/ab_step.py --variant=my_variant.py --pairs=50 \
+  JAX_PLATFORMS=cpu python -m benchmarks.ab_step --variant=my_variant.py --pairs=50 \
     --config=configs/lm.py --config.model.num_layers=4 ...
-  JAX_PLATFORMS=cpu python benchmarks/ab_step.py --smoke --variant=F   # seconds; the test's
+  JAX_PLATFORMS=cpu python -m benchmarks.ab_step --smoke --variant=F   # seconds; the test's
 """
 
 import importlib.util
@@ -20,12 +20,12 @@ import os
 import statistics
 import sys
 
-import bench_step
 from absl import app, flags
 from ml_collections import config_flags
 
+from benchmarks import bench_step
+
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, _REPO)  # the config files import configs.default
 
 config_flags.DEFINE_config_file(
   "config", os.path.join(_REPO, "configs", "lm.py"), "Training config file.", lock_config=True

@@ -7,16 +7,14 @@ minor axis and the right one's major axis; NT: both minor, as q k^T; TN: both ma
 ds^T q) at the shapes of the dense kernel's causal blocks (batch 8 x 4 heads, head dim 64).
 JAX runs with the XLA flags train.py sets (roformer.infra.cpu_flags) unless XLA_FLAGS is given.
 
-  JAX_PLATFORMS=cpu python benchmarks/attention_products.py [--rows=128] [--keys=128,512]
+  JAX_PLATFORMS=cpu python -m benchmarks.attention_products [--rows=128] [--keys=128,512]
 """
 
 import os
-import sys
 
 from absl import app, flags
-from bench_step import median_seconds
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # roformer
+from benchmarks.bench_step import median_seconds
 
 flags.DEFINE_integer("rows", 128, "Query rows of a block (M).")
 flags.DEFINE_list("keys", ["128", "512"], "Key counts (E): a pair of blocks, and a prefix.")

@@ -1,8 +1,12 @@
 """The train step as train.py builds it, for the benchmarks: config, live runs, AOT compiles."""
 
 import functools
+import os
+import pathlib
 import statistics
 import time
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
 
 # The tokenizer's vocabulary size, without training one: bytes has 261 ids.
 BYTES_VOCAB = 261
@@ -26,6 +30,14 @@ def median_seconds(fn, repeats: int) -> float:
     fn()
     times.append(time.perf_counter() - start)
   return statistics.median(times)
+
+
+def child_env() -> dict:
+  """This process's environment with the repository root first on PYTHONPATH, so that a child
+  started as `python -m benchmarks.<name>` finds the packages (benchmarks, configs, roformer)
+  whatever its working directory, where relative paths in its arguments keep their meaning."""
+  paths = [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]
+  return dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
 
 
 def apply_overrides(config, overrides: dict) -> None:

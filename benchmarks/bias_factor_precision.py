@@ -13,14 +13,12 @@ positions) against float32 dense attention with the bias added as such:
               pieces in a 16-bit dtype
   one piece   16-bit dtypes only: the large key factors as one bfloat16 value (the control)
 
-  python benchmarks/bias_factor_precision.py [--lengths=2048,8192,32768] [--heads=8]
+  python -m benchmarks.bias_factor_precision [--lengths=2048,8192,32768] [--heads=8]
 
 Values are N(0, 1), queries and keys of head dim 64 scaled as the model scales them.
 """
 
 import math
-import os
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -28,11 +26,10 @@ import numpy as np
 from absl import app, flags
 from flax import nnx
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from roformer.nn.attention import bias_factors, kernels  # noqa: E402
-from roformer.posenc import make_posenc  # noqa: E402
-from roformer.posenc.config import PosEncConfig  # noqa: E402
+from roformer.nn.attention import bias_factors, kernels
+from roformer.nn.attention.call import AttentionCall
+from roformer.posenc import make_posenc
+from roformer.posenc.config import PosEncConfig
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("lengths", ["2048", "8192", "32768"], "Sequence lengths (keys).")
@@ -84,10 +81,11 @@ def errors(kind: str, length: int, dtype) -> dict:
   else:
     options["bias_fn"] = posenc.bias
     terms.append(posenc.bias_factors(qpos, kpos))
-  want = kernels.dense_attention(q, k, v, qpos, kpos, **options)
+  call = AttentionCall(**options)
+  want = kernels.dense_attention(q, k, v, qpos, kpos, call)
   low = [x.astype(dtype) for x in (q, k, v)]
   result = {
-    "dense": kernels.dense_attention(*low, qpos, kpos, **options),
+    "dense": kernels.dense_attention(*low, qpos, kpos, call),
     "folded": _folded_attention(*low, qpos, kpos, terms),
   }
   if jnp.dtype(dtype).itemsize < 4:

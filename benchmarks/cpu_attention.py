@@ -8,19 +8,17 @@ The backward pass is that of sum(o * w) for a fixed random w. JAX runs with the 
 train.py sets (roformer.infra.cpu_flags); PyTorch with as many threads as the machine's cores.
 
   # the decoder of the speed comparison: 8 x 512 tokens, 4 heads of 64
-  JAX_PLATFORMS=cpu python benchmarks/cpu_attention.py
-  JAX_PLATFORMS=cpu python benchmarks/cpu_attention.py --batch=1 --lengths=2048,8192 --no_backward
-  JAX_PLATFORMS=cpu python benchmarks/cpu_attention.py --smoke   # seconds; what the test runs
+  JAX_PLATFORMS=cpu python -m benchmarks.cpu_attention
+  JAX_PLATFORMS=cpu python -m benchmarks.cpu_attention --batch=1 --lengths=2048,8192 --no_backward
+  JAX_PLATFORMS=cpu python -m benchmarks.cpu_attention --smoke   # seconds; what the test runs
 """
 
 import importlib.util
 import os
-import sys
 
 from absl import app, flags
-from bench_step import median_seconds
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # roformer
+from benchmarks.bench_step import median_seconds
 
 flags.DEFINE_integer("batch", 8, "Sequences per call.")
 flags.DEFINE_list("lengths", ["512"], "Sequence lengths.")
@@ -40,20 +38,24 @@ def _jax_kernels(batch, length, heads, kv_heads, head_dim, block):
   import jax.numpy as jnp
   import numpy as np
 
-  from roformer.nn.attention import cpu_flash, kernels
+  from roformer.nn.attention import kernels
+  from roformer.nn.attention.call import AttentionCall
+  from roformer.nn.attention.kernels import cpu_flash
 
   r = np.random.default_rng(0)
   shapes = [(batch, length, h, head_dim) for h in (heads, kv_heads, kv_heads, heads)]
   q, k, v, w = (jnp.asarray(r.standard_normal(s), jnp.float32) for s in shapes)
   pos = jnp.broadcast_to(jnp.arange(length), (batch, length))
 
+  call = AttentionCall(causal=True, block=block)
+
   def xla(q, k, v):  # what auto runs without the fused kernel
     if length * length <= block * block:
-      return kernels.dense_attention(q, k, v, pos, pos, causal=True, block=block)
-    return kernels.chunked_attention(q, k, v, pos, pos, causal=True, block=block)
+      return kernels.dense_attention(q, k, v, pos, pos, call)
+    return kernels.chunked_attention(q, k, v, pos, pos, call)
 
   def flash(q, k, v):
-    return cpu_flash.cpu_flash_attention(q, k, v, pos, pos, causal=True)
+    return cpu_flash.cpu_flash_attention(q, k, v, pos, pos, call)
 
   out = {}
   for name, fn in (("cpu_flash", flash), ("XLA kernels", xla)):

@@ -1,6 +1,6 @@
 """Speed of training-batch production (tokens/s) on the pystdlib corpus; prints a table.
 
-  python benchmarks/data.py [--steps=2000] [--global_batch_size=16] [--seq_len=512]
+  python -m benchmarks.data [--steps=2000] [--global_batch_size=16] [--seq_len=512]
 
 The first run trains the BPE tokenizer and tokenizes the corpus (cached afterwards); the table
 times only TrainBatches.batch, which should be far faster than any training step.
@@ -12,7 +12,7 @@ import os
 import time
 
 from roformer import data
-from roformer.data.sources import cache_root  # noqa: E402
+from roformer.data.sources import cache_root
 
 CASES = (("decoder", False), ("decoder", True), ("encoder", False))
 

@@ -5,7 +5,7 @@ and prints peak resident memory (ru_maxrss of the child), its ratio to the short
 temporary buffers of the compiled scoring step and the wall time. Blockwise evaluation keeps
 activations O(L * D), so 32k tokens should stay well under 2x the 2k figure.
 
-  JAX_PLATFORMS=cpu python benchmarks/eval_memory.py [--lengths=2048,8192,32768]
+  JAX_PLATFORMS=cpu python -m benchmarks.eval_memory [--lengths=2048,8192,32768]
 """
 
 import json
@@ -15,6 +15,8 @@ import sys
 import time
 
 from absl import app, flags
+
+from benchmarks import bench_step
 
 flags.DEFINE_list("lengths", ["2048", "8192", "32768"], "Context lengths, one process each.")
 flags.DEFINE_integer("child", 0, "Internal: evaluate this one length and print JSON.")
@@ -77,14 +79,10 @@ def _child(length: int) -> dict:
 
 def _run_child(length: int) -> dict:
   """Runs `_child(length)` in a fresh process; adds its peak RSS from the kernel's rusage."""
-  cmd = [sys.executable, os.path.abspath(__file__), f"--child={length}"]
+  cmd = [sys.executable, "-m", "benchmarks.eval_memory", f"--child={length}"]
   cmd += [f"--num_layers={FLAGS.num_layers}", f"--emb_dim={FLAGS.emb_dim}"]
   cmd += [f"--attention_block={FLAGS.attention_block}"]
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  env = dict(
-    os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
-  )
-  proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, env=env, text=True)
+  proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, env=bench_step.child_env(), text=True)
   out = proc.stdout.read()
   _, status, usage = os.wait4(proc.pid, 0)
   proc.returncode = os.waitstatus_to_exitcode(status)

@@ -11,12 +11,12 @@ same tokens, alternating with ours repeat by repeat; the table gives the medians
 ratio. Compile time is excluded (each length is scored once before timing).
 
   # the decoder of the speed comparison (Llama-style 4 x 256, bytes) at 2k, 8k and 32k tokens
-  JAX_PLATFORMS=cpu python benchmarks/eval_speed.py --config=configs/lm.py \
+  JAX_PLATFORMS=cpu python -m benchmarks.eval_speed --config=configs/lm.py \
     --config.model.num_layers=4 --config.model.emb_dim=256 --config.model.num_heads=4 \
     --config.model.mlp_dim=704 --config.model.activation=swiglu --config.model.norm=rmsnorm \
     --config.model.use_bias=False --config.model.tie_embeddings=False \
     --config.model.dropout_rate=0 --config.posenc.rope_layout=half --compare_hf
-  JAX_PLATFORMS=cpu python benchmarks/eval_speed.py --smoke   # seconds; what the test runs
+  JAX_PLATFORMS=cpu python -m benchmarks.eval_speed --smoke   # seconds; what the test runs
 """
 
 import json
@@ -25,13 +25,12 @@ import statistics
 import sys
 import time
 
-import bench_step
-import hf_counterpart
 from absl import app, flags
 from ml_collections import config_flags
 
+from benchmarks import bench_step, hf_counterpart
+
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, _REPO)  # the config files import configs.default
 
 config_flags.DEFINE_config_file(
   "config", os.path.join(_REPO, "configs", "lm.py"), "Training config file.", lock_config=True

@@ -1,16 +1,16 @@
 """What each 2024-26 option costs: train-step throughput of every arm against plain RoPE.
 
 Builds the train step exactly as train.py does (bench_step.JaxTrainer) for plain RoPE and for each
-arm of the extrapolation grid (experiments/extrapolation.py `frontier_arms`: iRoPE, RNoPE-SWA,
-QK-norm, SSMax, PoPE, Resonance RoPE, FoX, attention sinks), each on the config's model and batch
-with the arm's overrides on top, and times them round-robin (every repeat runs every arm, so all
-see the same machine load). Prints one table: tokens/s (median over repeats) and the ratio to
+2024-26 arm (configs/arms.py FRONTIER: iRoPE, RNoPE-SWA, QK-norm, SSMax, PoPE, Resonance RoPE, FoX,
+attention sinks, the hybrids with the extrapolation grid's layers), each on the config's model and
+batch with the arm's overrides on top, and times them round-robin (every repeat runs every arm, so
+all see the same machine load). Prints one table: tokens/s (median over repeats) and the ratio to
 plain RoPE. Use an idle machine: every arm uses every core.
 
-  JAX_PLATFORMS=cpu python benchmarks/frontier.py            # the grid's cpu model, L = 128
-  JAX_PLATFORMS=cpu python benchmarks/frontier.py --config.data.seq_len=512 \
+  JAX_PLATFORMS=cpu python -m benchmarks.frontier            # the grid's cpu model, L = 128
+  JAX_PLATFORMS=cpu python -m benchmarks.frontier --config.data.seq_len=512 \
       --config.train.global_batch_size=4                     # longer rows, same tokens per step
-  JAX_PLATFORMS=cpu python benchmarks/frontier.py --smoke    # seconds; what the test runs
+  JAX_PLATFORMS=cpu python -m benchmarks.frontier --smoke    # seconds; what the test runs
 """
 
 import json
@@ -18,13 +18,14 @@ import os
 import statistics
 import sys
 
-import bench_step
 from absl import app, flags
 from ml_collections import config_flags
 
+from benchmarks import bench_step
+from configs import arms
+from experiments import extrapolation
+
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, _REPO)
-sys.path.insert(0, os.path.join(_REPO, "experiments"))
 
 config_flags.DEFINE_config_file(
   "config", os.path.join(_REPO, "configs", "lm.py"), "Training config file.", lock_config=True
@@ -54,18 +55,18 @@ SMOKE = {**GRID_MODEL, **bench_step.SMOKE_MODEL}
 
 def arm_configs(config, only: list[str]) -> dict:
   """{arm: ConfigDict}: plain RoPE first, then each frontier arm on the same model and batch."""
-  import extrapolation
-
-  arms = extrapolation.frontier_arms(config.data.seq_len)
-  unknown = sorted(set(only) - set(arms))
+  unknown = sorted(set(only) - set(arms.FRONTIER))
   if unknown:
-    raise ValueError(f"--only: unknown arms {unknown}; choose from {tuple(arms)}")
-  chosen = {"rope": ("rope", {})}
-  chosen.update({name: arm for name, arm in arms.items() if not only or name in only})
+    raise ValueError(f"--only: unknown arms {unknown}; choose from {arms.FRONTIER}")
+  chosen = {"rope": {"posenc.kind": "rope"}}
+  seq_len, nope_every = config.data.seq_len, extrapolation.NOPE_EVERY  # the grid's hybrids
+  for name in arms.FRONTIER:
+    if not only or name in only:
+      chosen[name] = arms.overrides(name, seq_len=seq_len, nope_every=nope_every)
   configs = {}
-  for name, (kind, overrides) in chosen.items():
+  for name, overrides in chosen.items():
     arm_config = config.copy_and_resolve_references()
-    bench_step.apply_overrides(arm_config, {"posenc.kind": kind, **overrides})
+    bench_step.apply_overrides(arm_config, overrides)
     configs[name] = arm_config
   return configs
 

@@ -14,7 +14,7 @@ import contextlib
 import dataclasses
 import time
 
-import bench_step
+from benchmarks import bench_step
 
 
 class NoCounterpartError(ValueError):

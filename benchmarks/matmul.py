@@ -5,14 +5,15 @@ table shows what each library's bfloat16 matmul delivers on this machine against
 JAX runs with the XLA flags train.py sets (roformer.cpu_flags) unless XLA_FLAGS is given; PyTorch
 uses the same number of threads as there are cores. Prints a table; --json writes it.
 
-  JAX_PLATFORMS=cpu python benchmarks/matmul.py [--sizes=256,1024,2048] [--repeats=5] [--json=F]
+  JAX_PLATFORMS=cpu python -m benchmarks.matmul [--sizes=256,1024,2048] [--repeats=5] [--json=F]
 """
 
 import json
 import os
 
 from absl import app, flags
-from bench_step import median_seconds
+
+from benchmarks.bench_step import median_seconds
 
 flags.DEFINE_list("sizes", ["256", "1024", "2048"], "Sides of the square matmuls.")
 flags.DEFINE_integer("repeats", 5, "Timed calls per size; the median is reported.")

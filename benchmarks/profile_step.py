@@ -9,12 +9,12 @@ the JAX operation it came from (`jit(train_step)/transpose(jvp(BLD,DHK->BLHK))/d
 bookkeeping and the optimizer update. Ops run on several threads at once, so the op times add up
 to more than the wall time of a step; the shares are of their sum.
 
-  JAX_PLATFORMS=cpu python benchmarks/profile_step.py --config=configs/lm.py \
+  JAX_PLATFORMS=cpu python -m benchmarks.profile_step --config=configs/lm.py \
     --config.model.num_layers=4 --config.model.emb_dim=256 --config.model.num_heads=4 \
     --config.model.mlp_dim=704 --config.model.activation=swiglu --config.model.norm=rmsnorm \
     --config.model.use_bias=False --config.model.tie_embeddings=False \
     --config.model.dropout_rate=0 --config.data.seq_len=512 --config.train.global_batch_size=8
-  JAX_PLATFORMS=cpu python benchmarks/profile_step.py --smoke   # seconds; what the test runs
+  JAX_PLATFORMS=cpu python -m benchmarks.profile_step --smoke   # seconds; what the test runs
 
 Prints three tables (by phase, by operation, the slowest instructions) and optionally writes
 them as JSON. With --torch, the Hugging Face model of the same shape (hf_counterpart.py: Llama,
@@ -31,13 +31,12 @@ import sys
 import tempfile
 import time
 
-import bench_step
-import hf_counterpart
 from absl import app, flags
 from ml_collections import config_flags
 
+from benchmarks import bench_step, hf_counterpart
+
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, _REPO)  # the config files import configs.default
 
 config_flags.DEFINE_config_file(
   "config", os.path.join(_REPO, "configs", "lm.py"), "Training config file.", lock_config=True

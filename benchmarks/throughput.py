@@ -34,20 +34,20 @@ with glibc's defaults. --keep_freed_memory=true or =false puts both under one se
 setting speeds PyTorch up as well, on the MLM encoder more than ours). --in_process times both
 in this process instead, under one setting (default: glibc's).
 
-  JAX_PLATFORMS=cpu python benchmarks/throughput.py --config=configs/mlm.py \
+  JAX_PLATFORMS=cpu python -m benchmarks.throughput --config=configs/mlm.py \
     --config.model.num_layers=4 --config.model.emb_dim=256 --config.model.num_heads=4 \
     --config.model.mlp_dim=1024 --config.model.dropout_rate=0 --config.data.seq_len=256 \
     --config.train.global_batch_size=16 --compare_hf [--json=throughput.json]
   # Llama-style decoder against LlamaForCausalLM: 4 x 256, 4 heads, SwiGLU 704, RMSNorm, no
   # biases, untied head, RoPE half layout, bytes vocabulary (261), batch 8 x 512, float32
-  JAX_PLATFORMS=cpu python benchmarks/throughput.py --config=configs/lm.py \
+  JAX_PLATFORMS=cpu python -m benchmarks.throughput --config=configs/lm.py \
     --config.model.num_layers=4 --config.model.emb_dim=256 --config.model.num_heads=4 \
     --config.model.mlp_dim=704 --config.model.activation=swiglu --config.model.norm=rmsnorm \
     --config.model.use_bias=False --config.model.tie_embeddings=False \
     --config.posenc.kind=rope --config.posenc.rope_layout=half --config.data.tokenizer=bytes \
     --config.data.seq_len=512 --config.train.global_batch_size=8 --config.model.dtype=float32 \
     --config.model.dropout_rate=0 --compare_hf
-  JAX_PLATFORMS=cpu python benchmarks/throughput.py --smoke   # seconds; what the test runs
+  JAX_PLATFORMS=cpu python -m benchmarks.throughput --smoke   # seconds; what the test runs
 """
 
 import json
@@ -56,14 +56,12 @@ import statistics
 import sys
 import time
 
-import alternate
-import bench_step
-import hf_counterpart
 from absl import app, flags
 from ml_collections import config_flags
 
+from benchmarks import alternate, bench_step, hf_counterpart
+
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, _REPO)  # the config files import configs.default
 
 config_flags.DEFINE_config_file(
   "config", os.path.join(_REPO, "configs", "mlm.py"), "Training config file.", lock_config=True
@@ -222,7 +220,7 @@ def benchmark(run_config, *, steps, repeats, warmup, peak_size, compare_hf, chil
   try:
     for name in names:  # one after the other: each compiles and warms up on an idle machine
       if child_cmd:
-        sides.append(alternate.ChildProcess(child_cmd(name), name))
+        sides.append(alternate.ChildProcess(child_cmd(name), name, env=bench_step.child_env()))
         sides[-1].wait_ready()
       else:
         sides.append(make_side(name, run_config, warmup=warmup, peak_size=peak_size))
@@ -317,7 +315,7 @@ def _child_cmd(side: str) -> list[str]:
   keeping freed memory, HF not) unless --keep_freed_memory says; the flag appended last wins,
   and the child writes no JSON."""
   keep = side == "ours" if FLAGS.keep_freed_memory is None else FLAGS.keep_freed_memory
-  return [sys.executable, os.path.abspath(__file__), *sys.argv[1:], f"--serve={side}",
+  return [sys.executable, "-m", "benchmarks.throughput", *sys.argv[1:], f"--serve={side}",
           f"--keep_freed_memory={keep}"]  # fmt: skip
 
 

@@ -7,7 +7,7 @@ lowered on abstract arrays and compiled for that slice. Prints the per-device me
 exits non-zero when it does not fit. This is how MaxText's train_compile.py checks pod configs.
 
   pip install -c requirements.txt "jax[tpu]==0.10.2"   # brings libtpu
-  python benchmarks/tpu_compile.py --config=configs/lm.py --topology=v4:2x2x4 \
+  python -m benchmarks.tpu_compile --config=configs/lm.py --topology=v4:2x2x4 \
     [--config.mesh.data=... --config.mesh.fsdp=... --config.mesh.tensor=... --config.*=...]
 
 `--kernels=chunked,splash,flash_bias` compiles the step once per attention kernel
@@ -21,12 +21,10 @@ trained tokenizer's size) or 261 for the bytes tokenizer, so no corpus is read.
 import os
 import sys
 
-import bench_step
 from absl import app, flags
 from ml_collections import config_flags
 
-# The config files import configs.default.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import bench_step
 
 config_flags.DEFINE_config_file("config", None, "Training config file.", lock_config=True)
 flags.DEFINE_string("topology", "v4:2x2x4", "TPU slice, e.g. v4:2x2x4, v5e:4x4, v5p:2x2x2.")

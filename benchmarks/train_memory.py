@@ -8,19 +8,14 @@ Three tables, each from the real train step (as train.py jits it) of a decoder 4
              model.remat none | block | full (compiled only, not run).
   compile    compile time of a --deep_layers model with model.scan_layers False against True.
 
-  JAX_PLATFORMS=cpu python benchmarks/train_memory.py [--tables=attention,remat,compile]
+  JAX_PLATFORMS=cpu python -m benchmarks.train_memory [--tables=attention,remat,compile]
     [--lengths=1024,4096] [--remat_length=8192] [--deep_layers=24] [--steps=2]
 """
 
-import os
 import statistics
 import sys
 
 from absl import app, flags
-
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(_HERE))
-sys.path.insert(0, _HERE)
 
 flags.DEFINE_list("tables", ["attention", "remat", "compile"], "Which tables to print.")
 flags.DEFINE_list("lengths", ["1024", "4096"], "attention: sequence lengths.")
@@ -61,8 +56,9 @@ def _table(header, rows):
 
 
 def attention_table() -> str:
-  import bench_step
   import jax
+
+  from benchmarks import bench_step
 
   rows = []
   for length in map(int, FLAGS.lengths):
@@ -81,8 +77,9 @@ def attention_table() -> str:
 
 
 def remat_table() -> str:
-  import bench_step
   import jax
+
+  from benchmarks import bench_step
 
   rows = []
   # Unrolled layers on XLA:CPU keep the same peak with remat (its scheduler runs the recomputed
@@ -105,8 +102,9 @@ def remat_table() -> str:
 
 
 def compile_table() -> str:
-  import bench_step
   import jax
+
+  from benchmarks import bench_step
 
   rows = []
   for scan in (False, True):

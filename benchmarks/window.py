@@ -6,7 +6,7 @@ kernel without a window (every key block), and prints the XLA temporary buffers 
 windowed kernel. Windowed time and memory per token should stay flat as L grows (O(L * w)),
 while full attention's time per token grows with L.
 
-  JAX_PLATFORMS=cpu python benchmarks/window.py [--lengths=1024,...,32768] [--window=256]
+  JAX_PLATFORMS=cpu python -m benchmarks.window [--lengths=1024,...,32768] [--window=256]
 """
 
 import argparse
@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from roformer.nn.attention.call import AttentionCall
 from roformer.nn.attention.kernels import chunked_attention
 
 
@@ -49,10 +50,11 @@ def main() -> None:
   args = parser.parse_args()
 
   def windowed(q, k, v, pos):
-    return chunked_attention(q, k, v, pos, pos, causal=True, window=args.window, block=args.block)
+    call = AttentionCall(causal=True, window=args.window, block=args.block)
+    return chunked_attention(q, k, v, pos, pos, call)
 
   def full(q, k, v, pos):
-    return chunked_attention(q, k, v, pos, pos, causal=True, block=args.block)
+    return chunked_attention(q, k, v, pos, pos, AttentionCall(causal=True, block=args.block))
 
   print(f"causal, w={args.window}, block={args.block}, H={args.heads}, K={args.head_dim}, B=1")
   header = "| L | windowed ms | windowed us/token | windowed temp MiB | full ms | full us/token |"

@@ -15,9 +15,9 @@ lengths as there), then scored at the default task lengths under each method: pa
 single needle in a noise haystack) and RULER's multi-value needle in a haystack (its multi-key one
 is not learned by this model in 3x the budget: docs/long_context.md).
 
-  python experiments/extension.py [--scale=tiny|cpu] [--corpus=pystdlib|sotu] [--only=yarn,dca]
+  python -m experiments.extension [--scale=tiny|cpu] [--corpus=pystdlib|sotu] [--only=yarn,dca]
       [--tasks=passkey,niah_multivalue] [--out=DIR] [--workroot=DIR]
-  python experiments/extension.py --hf_model=HF_DIR --data_files=GLOB --out=DIR  # a pretrained
+  python -m experiments.extension --hf_model=HF_DIR --data_files=GLOB --out=DIR  # a pretrained
       # decoder (its tokenizer.json; L = its max_position_embeddings); perplexity only
 
 Writes OUT (default results/extension/<corpus>): <run>.json per run, results.csv (perplexity),
@@ -32,13 +32,8 @@ import json
 import pathlib
 import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import extension_report  # noqa: E402
-import extrapolation  # noqa: E402
-import grid  # noqa: E402
-import synthetic  # noqa: E402
-
-from roformer.data import synthetic as synthetic_data  # noqa: E402
+from experiments import extension_report, extrapolation, grid, synthetic
+from roformer.data import synthetic as synthetic_data
 
 SCALINGS = ("linear", "ntk", "dynamic", "yarn", "llama3")
 EXTENSIONS = ("self_extend", "dca", "rerope", "string", "sinks")

@@ -6,9 +6,7 @@ from __future__ import annotations
 import pathlib
 from collections.abc import Sequence
 
-import grid
-import report
-
+from experiments import grid, report
 from roformer.evals import plots, task_plots
 from roformer.posenc.config import EXTENSION_FIELDS
 

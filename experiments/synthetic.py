@@ -7,10 +7,10 @@ positions, as in training, averaged over `randomized_positions.EVAL_DRAWS` draws
 skipped, so an interrupted grid resumes where it stopped; a run is finished when its JSON holds the
 run's full settings (grid.run_settings), and a JSON made with other settings stops the grid.
 
-  python experiments/synthetic.py                                # the committed grid (cpu), hours
-  python experiments/synthetic.py --scale=tiny                   # smoke grid into a temp dir
-  python experiments/synthetic.py --only=copy/fire               # runs whose name matches
-  python experiments/synthetic.py --only='copy/rope$'            # without +randomized
+  python -m experiments.synthetic                                # the committed grid (cpu), hours
+  python -m experiments.synthetic --scale=tiny                   # smoke grid into a temp dir
+  python -m experiments.synthetic --only=copy/fire               # runs whose name matches
+  python -m experiments.synthetic --only='copy/rope$'            # without +randomized
 
 Writes OUT/<run>.json (the task evaluation, the run's settings and training time),
 OUT/results.csv, OUT/<task>.png, OUT/passkey_heatmap__<run>.png (exact match by depth x length)
@@ -23,16 +23,12 @@ import dataclasses
 import json
 import os
 import pathlib
-import sys
 import time
 
 from absl import app, flags, logging
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import grid  # noqa: E402  (puts the project root on sys.path)
-
-from configs import default  # noqa: E402
+from configs import arms, default
+from experiments import grid
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("scale", "cpu", ["tiny", "cpu"], "Grid size (see SCALES); cpu is committed.")
@@ -52,49 +48,17 @@ flags.DEFINE_bool(
   "adopt", False, "Record today's settings in run JSONs written before runs recorded them."
 )
 
-# Every encoding of the registry, plus p-RoPE (RoPE with its lowest quarter of frequencies off).
-ENCODINGS = {
-  "nope": {},
-  "sinusoidal": {},
-  "learned": {},
-  "t5": {},
-  "alibi": {},
-  "rope": {},
-  "prope": {"kind": "rope", "rope_truncate": 0.25},
-  "xpos": {},
-  "kerple": {},
-  "fire": {},
-  "sandwich": {},
-  "cope": {},
-}
-# The 2024-26 options (docs/frontier.md), as experiments/extrapolation.py runs them: posenc
-# fields, "model."-prefixed model fields, and ("window", kind) for a RoPE layer attending within
-# data.seq_len / 4 (`_apply_arm`). Two layers here: the hybrids alternate a RoPE layer with a
-# NoPE one. Not randomized (their papers train at positions 0, 1, 2, ...).
-FRONTIER = {
-  "irope": {
-    "kind": "rope",
-    "layer_pattern": "rope,nope",
-    "max_wavelength": 500_000.0,
-    "model.attention_window_pattern": ("window", "chunked"),
-    "model.qk_norm": "l2",
-    "model.qk_norm_kinds": "rope",
-    "query_scale": "llama4",
-    "query_scale_kinds": "nope",
-  },
-  "rnope_swa": {
-    "kind": "rope",
-    "layer_pattern": "rope,nope",
-    "model.attention_window_pattern": ("window", "sliding"),
-  },
-  "qk_norm": {"kind": "rope", "model.qk_norm": "rmsnorm"},
-  "ssmax": {"kind": "rope", "query_scale": "ssmax"},
-  "pope": {},
-  "resonance": {"kind": "rope", "rope_resonance": True},
-  "fox": {"kind": "nope", "model.forget_gate": True},
-  "sinks": {"kind": "rope", "model.attention_sinks": True},
-}
-ENCODINGS.update(FRONTIER)
+# Every encoding of the registry, plus p-RoPE (configs/arms.py `prope`: RoPE with its lowest
+# quarter of frequencies off).
+CLASSIC = ("nope", "sinusoidal", "learned", "t5", "alibi", "rope", "prope", "xpos", "kerple",
+           "fire", "sandwich", "cope")  # fmt: skip
+# The 2024-26 options (docs/frontier.md), as configs/arms.py defines them (and
+# experiments/extrapolation.py runs them). Two layers here, so the hybrids alternate a RoPE layer
+# attending within data.seq_len / 4 with a NoPE layer attending to everything. Not randomized
+# (their papers train at positions 0, 1, 2, ...).
+FRONTIER = arms.FRONTIER
+NOPE_EVERY = 2
+ENCODINGS = (*CLASSIC, *FRONTIER)  # the arms trained from scratch, in grid order
 # Arms made from another run of the same task rather than trained from scratch, as
 # experiments/extrapolation.py makes them. DroPE (arXiv 2512.12167) continues the RoPE run with no
 # positional encoding for a tenth of its steps; rope_continued continues it with RoPE for as many
@@ -102,7 +66,9 @@ ENCODINGS.update(FRONTIER)
 # applied at evaluation only, no training: the query temperatures (`runs.eval_model_config`:
 # logn = log_L(n), llama4 = 1 + 0.1 ln(floor(n / L) + 1), L = data.seq_len), and YaRN with the
 # factor each length needs (Resonance YaRN on the Resonance run, plain YaRN on RoPE's).
-RECALIBRATIONS = {"drope": ("rope", "nope"), "rope_continued": ("rope", "rope")}
+RECALIBRATIONS = {  # name -> (the run it continues, its posenc.kind)
+  name: (arms.ARMS[name].starts_from, arms.kind(name)) for name in arms.RECALIBRATIONS
+}
 RECALIBRATION_FRACTION = 0.1
 EVALUATIONS = {  # name -> (the run scored, its evaluation options)
   "rope_logn": ("rope", {"query_scale": "logn"}),
@@ -114,21 +80,13 @@ EVALUATIONS = {  # name -> (the run scored, its evaluation options)
 DERIVED = {**RECALIBRATIONS, **EVALUATIONS}  # name -> (the run it starts from, how)
 
 
-def _apply_arm(config, fields: dict) -> None:
-  """Sets an arm's fields: posenc ones, "model."-prefixed ones, and a ("window", kind) pattern:
-  the RoPE layer attends within data.seq_len / 4 (chunks or a sliding window), the NoPE layer to
-  everything (iRoPE's chunk is also its query temperature's floor)."""
-  for field, value in fields.items():
-    if field == "model.attention_window_pattern":
-      local = max(1, config.data.seq_len // 4)
-      config.model.attention_window_pattern = f"{local},0"
-      config.model.attention_window_kind = value[1]
-      if fields.get("query_scale") == "llama4":
-        config.posenc.query_scale_floor = float(local)
-    elif field.startswith("model."):
-      config.model[field.removeprefix("model.")] = value
-    else:
-      config.posenc[field] = value
+def _apply_arm(config, encoding: str) -> None:
+  """Sets the encoding's fields at the config's data.seq_len: an arm of configs/arms.py, or a
+  posenc.kind of its own."""
+  if encoding in arms.ARMS:
+    arms.apply(config, encoding, nope_every=NOPE_EVERY)
+  else:
+    config.posenc.kind = encoding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,7 +157,7 @@ def grid_runs(scale: Scale) -> list[tuple[str, str, bool]]:
         if not scale.only_pairs or (encoding, False) in scale.only_pairs:
           runs.append((task, encoding, False))
         continue
-      kind = ENCODINGS[encoding].get("kind", encoding)
+      kind = arms.kind(encoding) if encoding in arms.ARMS else encoding
       for randomized in scale.randomize:
         if scale.only_pairs and (encoding, randomized) not in scale.only_pairs:
           continue
@@ -229,7 +187,7 @@ def make_config(scale: Scale, task: str, encoding: str, randomized: bool, seq_le
   config.data.task = task
   config.data.task_min_len, config.data.task_max_len = lo, hi
   config.data.seq_len = synthetic.example_length(task, hi) - 1
-  _apply_arm(config, {"kind": encoding, **ENCODINGS[encoding]})
+  _apply_arm(config, encoding)
   config.optim.learning_rate = scale.train["learning_rate"]
   config.optim.warmup_steps = max(1, scale.train["num_train_steps"] // 20)
   config.optim.weight_decay = 0.0
@@ -270,9 +228,9 @@ def run_config(scale: Scale, task: str, encoding: str, randomized: bool, workroo
   if encoding in EVALUATIONS:
     return run_config(scale, task, EVALUATIONS[encoding][0], randomized, workroot)
   if encoding in RECALIBRATIONS:
-    parent, kind = RECALIBRATIONS[encoding]
+    parent = RECALIBRATIONS[encoding][0]
     config = run_config(scale, task, parent, randomized, workroot)
-    config.posenc.kind = kind
+    _apply_arm(config, encoding)  # its posenc.kind
     steps = max(1, round(scale.train["num_train_steps"] * RECALIBRATION_FRACTION))
     config.train.num_train_steps = steps
     config.optim.warmup_steps = max(1, steps // 10)

@@ -1,7 +1,7 @@
 """Prints the unigram entropy (nats per token) of a corpus split: the loss of a model that ignores
 context, the yardstick the quickstart's validation loss is compared with.
 
-Usage: python experiments/unigram_entropy.py [--source=pystdlib] [--split=validation]
+Usage: python -m experiments.unigram_entropy [--source=pystdlib] [--split=validation]
 """
 
 import argparse

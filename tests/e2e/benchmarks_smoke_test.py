@@ -79,7 +79,8 @@ def test_benchmark_smoke_run_prints_its_table(script):
   args, expected = CASES[script]
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   proc = subprocess.run(
-    [sys.executable, str(REPO / "benchmarks" / f"{script}.py"), *args],
+    [sys.executable, "-m", f"benchmarks.{script}", *args],
+    cwd=REPO,
     env=env,
     capture_output=True,
     text=True,

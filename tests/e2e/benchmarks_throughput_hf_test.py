@@ -14,10 +14,7 @@ from roformer.testing import REPO
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-sys.path.insert(0, str(REPO / "benchmarks"))
-import bench_step  # noqa: E402
-import hf_counterpart  # noqa: E402
-
+from benchmarks import bench_step, hf_counterpart  # noqa: E402
 from configs import lm  # noqa: E402
 
 # The speed issue's decoder: Llama-style, bytes vocabulary, 512 tokens.
@@ -184,10 +181,10 @@ def test_compare_hf_times_both_sides_in_turn_under_the_named_setup(tmp_path, arg
   import subprocess
 
   out = tmp_path / "throughput.json"
-  cmd = [sys.executable, str(REPO / "benchmarks" / "throughput.py"), "--smoke", "--compare_hf",
+  cmd = [sys.executable, "-m", "benchmarks.throughput", "--smoke", "--compare_hf",
          f"--json={out}", *args]  # fmt: skip
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+  proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-2000:]
   result = json.loads(out.read_text())
   assert result["setup"] == setup and result["hf_model"] == "RoFormerForMaskedLM"

@@ -1,4 +1,4 @@
-"""benchmarks/throughput.py: the smoke run compiles and times the real train step."""
+"""benchmarks.throughput: the smoke run compiles and times the real train step."""
 
 import json
 import os
@@ -8,21 +8,22 @@ import sys
 
 import pytest
 
+from benchmarks import alternate, bench_step
 from roformer.testing import REPO
 
 
-def _run_benchmark(script: str, *args: str) -> subprocess.CompletedProcess:
-  """Runs benchmarks/<script> on the CPU; fails the test with its stderr if it fails."""
+def _run_benchmark(name: str, *args: str) -> subprocess.CompletedProcess:
+  """Runs `python -m benchmarks.<name>` on the CPU; fails the test with its stderr if it fails."""
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  cmd = [sys.executable, str(REPO / "benchmarks" / script), *args]
-  proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+  cmd = [sys.executable, "-m", f"benchmarks.{name}", *args]
+  proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-2000:]
   return proc
 
 
 def test_throughput_smoke_reports_speed_and_flops(tmp_path):
   out = tmp_path / "throughput.json"
-  proc = _run_benchmark("throughput.py", "--smoke", f"--json={out}")
+  proc = _run_benchmark("throughput", "--smoke", f"--json={out}")
   result = json.loads(out.read_text())
   assert result["kind"] == "encoder"
   assert result["tokens_per_sec"] > 0 and result["compile_seconds"] > 0
@@ -38,7 +39,7 @@ def test_throughput_smoke_reports_speed_and_flops(tmp_path):
 
 def test_matmul_table_covers_both_dtypes(tmp_path):
   out = tmp_path / "matmul.json"
-  proc = _run_benchmark("matmul.py", "--sizes=64", "--repeats=2", f"--json={out}")
+  proc = _run_benchmark("matmul", "--sizes=64", "--repeats=2", f"--json={out}")
   rows = json.loads(out.read_text())["rows"]
   assert [(r["size"], r["dtype"]) for r in rows] == [(64, "float32"), (64, "bfloat16")]
   assert all(r["jax_gflops"] > 0 for r in rows)
@@ -47,7 +48,7 @@ def test_matmul_table_covers_both_dtypes(tmp_path):
 
 def test_attention_products_table_times_every_form():
   args = ("--rows=16", "--keys=16,32", "--head_dim=8", "--repeats=2")
-  proc = _run_benchmark("attention_products.py", *args)
+  proc = _run_benchmark("attention_products", *args)
   lines = proc.stdout.splitlines()
   rows = [line for line in lines if line.startswith("| ") and "GFLOP" not in line]
   forms = [row.split(" | ")[1] for row in rows]
@@ -77,7 +78,7 @@ def test_ab_step_traces_b_under_the_variant_and_reports_the_ratio(tmp_path):
     f"    pathlib.Path({str(undone)!r}).write_text('undone')\n"
     "  return undo\n"
   )
-  proc = _run_benchmark("ab_step.py", "--smoke", f"--variant={variant}", f"--json={out}")
+  proc = _run_benchmark("ab_step", "--smoke", f"--variant={variant}", f"--json={out}")
   assert undone.read_text() == "undone"
   result = json.loads(out.read_text())
   assert result["pairs"] == 4
@@ -99,25 +100,18 @@ def test_ab_step_refuses_a_variant_without_hooks_and_passes_compiler_options(
 ):
   variant = tmp_path / "variant.py"
   variant.write_text(text)
-  cmd = [sys.executable, str(REPO / "benchmarks" / "ab_step.py"), "--smoke", f"--variant={variant}"]
+  cmd = [sys.executable, "-m", "benchmarks.ab_step", "--smoke", f"--variant={variant}"]
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+  proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
   assert proc.returncode != 0 and message in proc.stderr
-
-
-def _alternate():
-  sys.path.insert(0, str(REPO / "benchmarks"))
-  import alternate
-
-  return alternate
 
 
 def test_a_child_process_serves_our_step_in_turn_and_reports_it():
   # What --compare_hf runs each side in: the child builds, warms up, then times on request.
-  alternate = _alternate()
-  cmd = [sys.executable, str(REPO / "benchmarks" / "throughput.py"), "--smoke", "--serve=ours",
+  cmd = [sys.executable, "-m", "benchmarks.throughput", "--smoke", "--serve=ours",
          "--keep_freed_memory=true"]  # fmt: skip
-  child = alternate.ChildProcess(cmd, "ours", env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  env = dict(bench_step.child_env(), JAX_PLATFORMS="cpu")  # finds the packages from any cwd
+  child = alternate.ChildProcess(cmd, "ours", env=env)
   try:
     (first, second), *_ = alternate.alternate([child], steps=2, repeats=2)
     info = child.info()
@@ -133,7 +127,6 @@ def test_a_child_process_serves_our_step_in_turn_and_reports_it():
 
 
 def test_a_child_process_that_dies_is_reported_with_its_status():
-  alternate = _alternate()
   child = alternate.ChildProcess([sys.executable, "-c", "import sys; sys.exit(3)"], "hf")
   try:
     with pytest.raises(alternate.ChildError, match="hf process exited with status 3"):
@@ -143,7 +136,6 @@ def test_a_child_process_that_dies_is_reported_with_its_status():
 
 
 def test_a_reply_after_output_without_a_newline_is_still_read():
-  alternate = _alternate()
   code = (
     "import sys; sys.stdout.write('progress 50%'); "
     f"sys.stdout.write({alternate.REPLY!r} + '{{\"ready\": true}}\\n'); sys.stdout.flush(); "

@@ -18,13 +18,14 @@ needs_libtpu = pytest.mark.skipif(
 def _compile(*overrides):
   args = [
     sys.executable,
-    str(REPO / "benchmarks" / "tpu_compile.py"),
+    "-m",
+    "benchmarks.tpu_compile",
     f"--config={REPO / 'configs' / 'tpu_compile_tiny.py'}",
     "--topology=v4:2x2x2",
     *overrides,
   ]
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  return subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
+  return subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 
 @pytest.mark.slow

@@ -8,13 +8,15 @@ import sys
 
 import pytest
 
+from configs import arms
+from experiments import synthetic
 from roformer.testing import REPO
 
 
 def _grid(out, workdirs, *extra, env=None):
   root = [f"--workdir_root={workdirs}"] if workdirs else []
   return subprocess.run(
-    [sys.executable, "experiments/synthetic.py", "--scale=tiny", f"--out={out}", *root, *extra],
+    [sys.executable, "-m", "experiments.synthetic", "--scale=tiny", f"--out={out}", *root, *extra],
     cwd=REPO, capture_output=True, text=True,
     env={**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})}, timeout=900,
   )  # fmt: skip
@@ -62,9 +64,6 @@ def test_tiny_grid_writes_every_output_and_resumes(tmp_path):
 
 
 def test_only_selects_by_substring_and_anchors_with_a_dollar():
-  sys.path.insert(0, os.path.join(REPO, "experiments"))
-  import synthetic
-
   names = ["copy/rope", "copy/rope+randomized", "copy/prope", "passkey/rope"]
   pick = lambda only: [n for n in names if synthetic.selected(n, only)]  # noqa: E731
   assert pick(["copy/rope"]) == ["copy/rope", "copy/rope+randomized"]
@@ -75,48 +74,34 @@ def test_only_selects_by_substring_and_anchors_with_a_dollar():
 def test_every_encoding_of_the_grid_trains_with_the_same_embedding_scale():
   # Left at "auto", RoPE, learned, KERPLE, FIRE and CoPE would take BERT's N(0, 0.02^2) table
   # and the others fairseq's sqrt(d) scaling: a difference between runs that is not the encoding.
-  sys.path.insert(0, os.path.join(REPO, "experiments"))
-  import synthetic
-
   scale = synthetic.SCALES["cpu"]
   runs = synthetic.grid_runs(scale)
   configs = [synthetic.run_config(scale, *run, workroot="/w") for run in runs]
   assert {c.model.embed_scale for c in configs} == {"sqrt_d"}
 
 
-def test_frontier_arms_are_built_as_the_extrapolation_grid_builds_them():
-  sys.path.insert(0, os.path.join(REPO, "experiments"))
-  import synthetic
-
+def test_frontier_arms_are_the_arms_module_s_on_two_layers():
   from roformer import config as config_lib
 
   scale = synthetic.SCALES["cpu"]
   runs = synthetic.grid_runs(scale)
+  assert synthetic.FRONTIER == arms.FRONTIER
   for arm in synthetic.FRONTIER:  # every task, never randomized
     assert [r for r in runs if r[1] == arm] == [(t, arm, False) for t in scale.tasks], arm
-  build = lambda arm: synthetic.run_config(scale, "passkey", arm, False)  # noqa: E731
-  irope, rnope = build("irope"), build("rnope_swa")
+  for arm in (*synthetic.FRONTIER, "prope"):
+    config = synthetic.run_config(scale, "passkey", arm, False)
+    fields = arms.overrides(arm, seq_len=config.data.seq_len, nope_every=synthetic.NOPE_EVERY)
+    assert {f: config[f.split(".")[0]][f.split(".")[1]] for f in fields} == fields, arm
+    config_lib.run_config_from_dict(config, vocab_size=261)  # the model's own checks
+  # Two layers: the hybrids alternate a RoPE layer within L/4 and a NoPE layer over everything.
+  irope = synthetic.run_config(scale, "passkey", "irope", False)
   local = irope.data.seq_len // 4
-  assert irope.posenc.layer_pattern == "rope,nope" and irope.posenc.kind == "rope"
+  assert irope.posenc.layer_pattern == "rope,nope"
   assert irope.model.attention_window_pattern == f"{local},0"
-  assert irope.model.attention_window_kind == "chunked"
-  assert (irope.model.qk_norm, irope.model.qk_norm_kinds) == ("l2", "rope")
-  assert (irope.posenc.query_scale, irope.posenc.query_scale_kinds) == ("llama4", "nope")
   assert irope.posenc.query_scale_floor == float(local)
-  assert rnope.model.attention_window_kind == "sliding"
-  assert rnope.posenc.query_scale == "none"
-  assert build("fox").model.forget_gate and build("fox").posenc.kind == "nope"
-  assert build("sinks").model.attention_sinks and build("pope").posenc.kind == "pope"
-  assert build("resonance").posenc.rope_resonance and build("ssmax").posenc.query_scale == "ssmax"
-  assert build("qk_norm").model.qk_norm == "rmsnorm"
-  for arm in synthetic.FRONTIER:  # each a valid run config (the model's own checks)
-    config_lib.run_config_from_dict(build(arm), vocab_size=261)
 
 
 def test_derived_arms_start_from_their_run_in_the_same_workroot():
-  sys.path.insert(0, os.path.join(REPO, "experiments"))
-  import synthetic
-
   scale = synthetic.SCALES["cpu"]
   runs = synthetic.grid_runs(scale)
   for arm in synthetic.DERIVED:  # every task, never randomized, after the run it starts from
@@ -180,7 +165,4 @@ def test_a_typo_in_only_and_a_smoke_grid_into_results_are_refused(tmp_path):
 
 
 def test_the_committed_scale_is_the_default():
-  sys.path.insert(0, os.path.join(REPO, "experiments"))
-  import synthetic
-
   assert synthetic.FLAGS["scale"].default == "cpu"

@@ -12,19 +12,20 @@ import pytest
 from roformer.testing import REPO
 
 
-def _run(script, out, workroot, *extra):
+def _run(grid_name, out, workroot, *extra):
+  """`python -m experiments.<grid_name> --scale=tiny` from the repository root."""
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   return subprocess.run(
-    [sys.executable, str(REPO / "experiments" / script), "--scale=tiny", f"--out={out}",
+    [sys.executable, "-m", f"experiments.{grid_name}", "--scale=tiny", f"--out={out}",
      f"--workroot={workroot}", *extra],
-    capture_output=True, text=True, env=env, timeout=900, check=False,
+    cwd=REPO, capture_output=True, text=True, env=env, timeout=900, check=False,
   )  # fmt: skip
 
 
 @pytest.mark.slow
 def test_extrapolation_grid_writes_every_output_and_resumes(tmp_path):
   out, workroot = tmp_path / "out", tmp_path / "runs"
-  proc = _run("extrapolation.py", out, workroot)
+  proc = _run("extrapolation", out, workroot)
   assert proc.returncode == 0, proc.stderr[-3000:]
   runs = {p.stem for p in out.glob("*.json")}
   encodings = {"sinusoidal", "learned", "t5", "alibi", "rope", "xpos", "nope"}
@@ -79,14 +80,15 @@ def test_extrapolation_grid_writes_every_output_and_resumes(tmp_path):
     assert f"| {name} | " in frontier_rows, name
   assert "| resonance | yarn at evaluation" in frontier_rows
   # A rerun finds every run done and only rewrites the report.
-  rerun = _run("extrapolation.py", out, workroot)
+  rerun = _run("extrapolation", out, workroot)
   assert rerun.returncode == 0, rerun.stderr[-3000:]
   assert rerun.stdout.count("done (skipped)") == len(runs)
   # Retraining a run from its recorded overrides gives its recorded eval loss.
   again = subprocess.run(
-    [sys.executable, str(REPO / "experiments" / "rerun.py"), str(out / "rope_short.json"),
+    [sys.executable, "-m", "experiments.rerun", str(out / "rope_short.json"),
      f"--workdir={tmp_path / 'again'}"],
-    capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=600,
+    cwd=REPO, capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    timeout=600,
   )  # fmt: skip
   assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
   assert "rope_short: recorded eval loss" in again.stdout
@@ -95,7 +97,7 @@ def test_extrapolation_grid_writes_every_output_and_resumes(tmp_path):
   (rope_workdir,) = workroot.glob("rope-*")
   subprocess.run(["rm", "-r", str(rope_workdir)], check=True)
   (out / "drope.json").unlink()
-  resumed = _run("extrapolation.py", out, workroot, "--only=drope")
+  resumed = _run("extrapolation", out, workroot, "--only=drope")
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   assert "rope: its workdir" in resumed.stdout and "retraining it" in resumed.stdout
   diff = re.search(r"rope: final eval loss \S+, recorded \S+ \(diff (\S+)\)", resumed.stdout)
@@ -106,7 +108,7 @@ def test_extrapolation_grid_writes_every_output_and_resumes(tmp_path):
 @pytest.mark.slow
 def test_mlm_grid_writes_every_output_and_records_refused_encodings(tmp_path):
   out = tmp_path / "out"
-  proc = _run("mlm.py", out, tmp_path / "runs")
+  proc = _run("mlm", out, tmp_path / "runs")
   assert proc.returncode == 0, proc.stderr[-3000:]
   for name in ("results.csv", "table.md", "curves.png"):
     assert (out / name).stat().st_size > 0, name
@@ -125,7 +127,7 @@ def test_mlm_grid_writes_every_output_and_records_refused_encodings(tmp_path):
 def test_grid_run_piecewise_with_only_reports_every_finished_run(tmp_path):
   out, workroot = tmp_path / "out", tmp_path / "runs"
   for only in ("alibi", "sinusoidal"):
-    proc = _run("extrapolation.py", out, workroot, f"--only={only}")
+    proc = _run("extrapolation", out, workroot, f"--only={only}")
     assert proc.returncode == 0, proc.stderr[-3000:]
   with (out / "results.csv").open() as f:
     runs = {r["run"] for r in csv.DictReader(f)}
@@ -150,8 +152,7 @@ def _fake_training(monkeypatch, last_step):
 def test_a_run_stopped_before_its_last_step_ends_the_grid_instead_of_being_scored(
   tmp_path, monkeypatch
 ):
-  monkeypatch.syspath_prepend(str(REPO / "experiments"))
-  import synthetic
+  from experiments import synthetic
 
   scale = synthetic.SCALES["tiny"]
   steps = scale.train["num_train_steps"]
@@ -172,8 +173,7 @@ def test_a_run_stopped_before_its_last_step_ends_the_grid_instead_of_being_score
 
 
 def test_ctrl_c_in_a_grid_is_one_line_naming_the_finished_runs(tmp_path, capsys, monkeypatch):
-  monkeypatch.syspath_prepend(str(REPO / "experiments"))
-  import grid
+  from experiments import grid
 
   (tmp_path / "copy__rope.json").write_text("{}")
   with pytest.raises(SystemExit) as stopped, grid.stop_on_ctrl_c(tmp_path):
@@ -190,8 +190,7 @@ def test_a_finished_run_keeps_its_recorded_workdir_when_fields_were_added_since(
   # A record written before a config field existed matches today's settings (the new field is at
   # its default), but today's settings hash differs: the run's workdir, and what a fine-tune
   # starting from it records as train.init_from, are the recorded ones.
-  monkeypatch.syspath_prepend(str(REPO / "experiments"))
-  import grid
+  from experiments import grid
 
   common = {"train.num_train_steps": 2, "data.source": "pystdlib"}
   parent = grid.Run("a", "rope", {}, [])
@@ -223,7 +222,7 @@ def test_a_finished_run_keeps_its_recorded_workdir_when_fields_were_added_since(
 def test_extension_grid_scores_each_method_by_perplexity_and_task_and_resumes(tmp_path):
   out, workroot = tmp_path / "out", tmp_path / "runs"
   only = ("--only=yarn,dca,sinks,window", "--tasks=passkey")
-  proc = _run("extension.py", out, workroot, *only)
+  proc = _run("extension", out, workroot, *only)
   assert proc.returncode == 0, proc.stderr[-3000:]
   names = {"yarn", "dca", "sinks", "window"}
   assert {p.stem for p in out.glob("*.json")} == {"rope"} | {f"rope_{m}" for m in names}
@@ -243,7 +242,7 @@ def test_extension_grid_scores_each_method_by_perplexity_and_task_and_resumes(tm
   assert task_sinks["evaluations"][0]["result"]["context_extension"]["kind"] == "sinks"
   table = (out / "table.md").read_text()
   assert "| dca | chunk 11, local 1 |" in table and "## passkey: exact match" in table
-  rerun = _run("extension.py", out, workroot, *only)
+  rerun = _run("extension", out, workroot, *only)
   assert rerun.returncode == 0, rerun.stderr[-3000:]
   assert rerun.stdout.count("done (skipped)") == 10
 
@@ -262,7 +261,7 @@ def test_extension_grid_on_a_pretrained_decoder_scores_each_method(tmp_path):
 
   def run(*extra):  # no --scale or --workroot: the grid's flags are refused with --hf_model
     return subprocess.run(
-      [sys.executable, str(REPO / "experiments" / "extension.py"), *extra], capture_output=True,
+      [sys.executable, "-m", "experiments.extension", *extra], cwd=REPO, capture_output=True,
       text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=900, check=False,
     )  # fmt: skip
 
@@ -290,9 +289,7 @@ def test_extension_grid_on_a_pretrained_decoder_scores_each_method(tmp_path):
 
 
 def test_extension_settings_keep_every_method_inside_the_training_length():
-  sys.path.insert(0, str(REPO / "experiments"))
-  import extension
-
+  from experiments import extension
   from roformer.evals import spec
 
   for L, longest in ((16, 32), (16, 256), (83, 530), (128, 2048), (131, 579), (4096, 65536)):
@@ -306,3 +303,33 @@ def test_extension_settings_keep_every_method_inside_the_training_length():
     assert options["sinks"]["extend_fields"]["window"] + extension.SINKS == max(L, 5)
     for kwargs in options.values():  # every one a valid evaluation
       spec.spec_from_options(lengths=[L], **kwargs)
+
+
+def test_the_presets_and_the_extrapolation_grid_take_their_arms_from_configs_arms():
+  import importlib
+
+  from configs import arms, default
+  from experiments import extrapolation
+
+  # The presets: one NoPE layer in 4 (Llama 4, the RNoPE-SWA paper), windows of L/4.
+  for name in ("irope", "rnope_swa", "fox"):
+    preset = importlib.import_module(f"configs.{name}").get_config()
+    assert preset == arms.apply(default.get_config(), name), name
+  irope = arms.overrides("irope", seq_len=512)
+  assert irope["posenc.layer_pattern"] == "rope,rope,rope,nope"
+  assert irope["model.attention_window_pattern"] == "128,128,128,0"
+  assert irope["posenc.query_scale_floor"] == 128.0
+  # The grid: the same arms with its 3 layers, each run's overrides the arm's on top of its budget.
+  scale = extrapolation.SCALES["cpu"]
+  runs = {run.name: run for run in extrapolation.grid_runs(scale, set())}
+  for name in (*arms.FRONTIER, *arms.RECALIBRATIONS):
+    fields = arms.overrides(name, seq_len=scale.seq_len, nope_every=3)
+    run = runs[name]
+    assert {k: run.overrides[k] for k in fields} == fields, name
+    assert run.encoding == fields["posenc.kind"] and run.init_from == arms.ARMS[name].starts_from
+  assert runs["rnope_swa"].overrides["posenc.layer_pattern"] == "rope,rope,nope"
+  assert all(arm.description and "\n" not in arm.description for arm in arms.ARMS.values())
+  with pytest.raises(KeyError, match="unknown arm 'irop'"):
+    arms.overrides("irop", seq_len=128)
+  with pytest.raises(ValueError, match="nope_every=1"):
+    arms.overrides("irope", seq_len=128, nope_every=1)

@@ -4,20 +4,11 @@ results table in the README is copied verbatim from one of those tables."""
 import csv
 import json
 import re
-import sys
 
 import pytest
 
+from experiments import extension, extension_report, extrapolation, grid, mlm, report, synthetic
 from roformer.testing import REPO
-
-sys.path.insert(0, str(REPO / "experiments"))
-import extension  # noqa: E402
-import extension_report  # noqa: E402
-import extrapolation  # noqa: E402
-import grid  # noqa: E402
-import mlm  # noqa: E402
-import report  # noqa: E402
-import synthetic  # noqa: E402
 
 RESULTS = REPO / "results"
 GRID_DIRS = sorted(p.parent for p in RESULTS.glob("*/*/table.md") if p.parts[-3] != "synthetic")
