@@ -1,6 +1,6 @@
 """A 2-layer, 64-wide decoder for checking the TPU compile path quickly (tests, smoke runs).
 
-Run: python benchmarks/tpu_compile.py --config=configs/tpu_compile_tiny.py --topology=v4:2x2x2
+Run: python -m benchmarks.tpu_compile --config=configs/tpu_compile_tiny.py --topology=v4:2x2x2
 """
 
 from configs import default
