@@ -18,6 +18,7 @@ from roformer.data import windows as data_windows
 from roformer.evals import plots, ppl_vs_length, spec
 from roformer.nn.attention import kernels as attention
 from roformer.nn.attention import primitives
+from roformer.nn.attention.call import AttentionCall
 from roformer.nn.config import ModelConfig, resolve_embed_scale, unsupported_length
 from roformer.nn.model import make_model
 from roformer.posenc import POSENCS, sinusoidal_embedding
@@ -170,10 +171,10 @@ def test_blockwise_window_kernels_agree():
   q, k, v = (jax.random.normal(jax.random.fold_in(key, i), (2, 40, 2, 8)) for i in range(3))
   pos = jnp.broadcast_to(jnp.arange(40), (2, 40))
   kw = dict(causal=True, window=8, window_kind="blockwise")
-  dense = attention.dense_attention(q, k, v, pos, pos, **kw)
-  chunked = attention.chunked_attention(q, k, v, pos, pos, block=16, **kw)
+  dense = attention.dense_attention(q, k, v, pos, pos, AttentionCall(**kw))
+  chunked = attention.chunked_attention(q, k, v, pos, pos, AttentionCall(block=16, **kw))
   np.testing.assert_allclose(chunked, dense, atol=1e-5)
-  full = attention.dense_attention(q, k, v, pos, pos, causal=True)
+  full = attention.dense_attention(q, k, v, pos, pos, AttentionCall(causal=True))
   assert not np.allclose(dense, full, atol=1e-3)
 
 

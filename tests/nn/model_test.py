@@ -451,7 +451,7 @@ def test_blockwise_hidden_memory_grows_by_a_few_sequence_buffers_whatever_the_de
   # blocked key copies), not a few per layer: every layer writes its blocks in place. The fused
   # CPU kernel's operands and results (q, k, v, o and the log-sum-exp) are buffers of their own,
   # about one more in all.
-  from roformer.nn.attention import cpu_flash
+  from roformer.nn.attention.kernels import cpu_flash
 
   if kernel == "cpu_flash":
     assert cpu_flash.unavailable() is None  # the kernel this case measures runs here

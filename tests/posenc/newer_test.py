@@ -9,6 +9,7 @@ from flax import nnx
 
 from roformer import posenc, testing
 from roformer.nn.attention import kernels as attention
+from roformer.nn.attention.call import AttentionCall
 from roformer.posenc.config import PosEncConfig
 
 
@@ -176,11 +177,12 @@ def test_cope_is_refused_by_the_chunked_kernel_and_routed_to_dense_by_auto():
   q, k, v, p = _qkv()
   kwargs = dict(causal=True, bias_fn=pe.bias, content_bias_fn=pe.content_bias, block=4)
   with pytest.raises(ValueError, match="chunked attention kernel cannot add a content-dependent"):
-    attention.chunked_attention(q, k, v, p, p, **kwargs)
-  dense = attention.dense_attention(q, k, v, p, p, **kwargs)
-  auto = attention.auto_attention(q, k, v, p, p, **kwargs)  # 12 * 12 > 4 * 4: long for auto
+    attention.chunked_attention(q, k, v, p, p, AttentionCall(**kwargs))
+  dense = attention.dense_attention(q, k, v, p, p, AttentionCall(**kwargs))
+  # 12 * 12 > 4 * 4: long for auto
+  auto = attention.auto_attention(q, k, v, p, p, AttentionCall(**kwargs))
   np.testing.assert_array_equal(np.asarray(auto), np.asarray(dense))
-  without = attention.dense_attention(q, k, v, p, p, causal=True, block=4)
+  without = attention.dense_attention(q, k, v, p, p, AttentionCall(causal=True, block=4))
   assert np.abs(np.asarray(dense) - np.asarray(without)).max() > 1e-3  # the bias is applied
 
 
@@ -198,8 +200,8 @@ def test_new_biases_give_the_same_attention_in_chunked_and_dense_kernels(kind):
   q, k, v, p = _qkv(L=20)
   p = p + 1000  # far from 0: FIRE's normaliser and the distances must come from the positions
   kwargs = dict(causal=True, bias_fn=pe.bias, block=8)
-  dense = attention.dense_attention(q, k, v, p, p, **kwargs)
-  chunked = attention.chunked_attention(q, k, v, p, p, **kwargs)
+  dense = attention.dense_attention(q, k, v, p, p, AttentionCall(**kwargs))
+  chunked = attention.chunked_attention(q, k, v, p, p, AttentionCall(**kwargs))
   assert float(jnp.abs(dense - chunked).max()) < 1e-5
 
 

@@ -19,6 +19,7 @@ from roformer.config import OptimConfig
 from roformer.data import ByteTokenizer
 from roformer.evals import perplexity
 from roformer.nn.attention import kernels
+from roformer.nn.attention.call import AttentionCall
 from roformer.nn.attention.kv_cache import KVCache
 from roformer.nn.config import ModelConfig
 from roformer.nn.model import make_model
@@ -97,7 +98,7 @@ def test_dense_kernel_attends_with_the_papers_logits():
   q, k, v = normal(2, (1, 1, 1, 4)), normal(3, (1, 3, 1, 4)), normal(4, (1, 3, 1, 4))
   qpos, kpos = pos([5]), pos([1, 3, 5])
   q2, k2 = pe.rotate(q, k, qpos, kpos)
-  got = kernels.dense_attention(q2, k2, v, qpos, kpos, causal=True)
+  got = kernels.dense_attention(q2, k2, v, qpos, kpos, AttentionCall(causal=True))
   assert got.shape == (1, 1, 1, 4)  # as wide as the values
   logits = np.array([score_by_hand(q[0, 0, 0], k[0, j, 0], 5, s, delta[0]) for j, s in
                      enumerate((1, 3, 5))])  # fmt: skip
@@ -255,7 +256,7 @@ def test_chunked_and_banded_kernels_equal_dense_in_outputs_and_gradients(window)
   @functools.partial(jax.jit, static_argnums=0)
   def outputs_and_grads(kernel, q2, k2, v):
     def loss(q2, k2, v):
-      o = kernel(q2, k2, v, p, p, **kwargs)
+      o = kernel(q2, k2, v, p, p, AttentionCall(**kwargs))
       return jnp.sum(o * jnp.sin(jnp.arange(o.size).reshape(o.shape))), o
 
     (_, o), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q2, k2, v)
@@ -269,7 +270,7 @@ def test_chunked_and_banded_kernels_equal_dense_in_outputs_and_gradients(window)
     assert a.shape == b.shape
     np.testing.assert_allclose(a, b, atol=1e-5, err_msg=name)
   if window:  # the windowed path is the banded kernel: it must differ from full attention
-    full = kernels.dense_attention(q2, k2, v, p, p, **{**kwargs, "window": 0})
+    full = kernels.dense_attention(q2, k2, v, p, p, AttentionCall(**{**kwargs, "window": 0}))
     assert np.abs(np.asarray(full) - np.asarray(o_dense)).max() > 1e-3
 
 

@@ -9,7 +9,7 @@ shifted evaluation windows); then a key more than w - 1 indices away is more tha
 positions away, or in another segment, and masked anyway. Inside the visited blocks the mask of
 `attention_mask` decides exactly, so the result equals the dense kernel's.
 
-Dimension legend as kernels.py; b is the block, N the number of key blocks visited.
+Dimension legend as call.py; b is the block, N the number of key blocks visited.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ A bias that is a sum of products of a query term and a key term, up to a constan
 Causal ALiBi (m (j - j0)), Sandwich (sinusoids on both sides, `PosEnc.bias_factors`) and FoX's
 key bias (-c_j) have such forms; docs/attention_variants.md measures their precision.
 
-Dimension legend as kernels.py; R factor columns, E extra columns of q and k.
+Dimension legend as call.py; R factor columns, E extra columns of q and k.
 """
 
 import jax

@@ -1,5 +1,5 @@
 """Causal self-attention in N equal blocks, keys major: the dense kernel's path for causal
-attention with no other mask (`kernels.dense_attention`).
+attention with no other mask (`kernels/dense.py`).
 
 q, k and v come laid out [N, B, G, (R,) T, K]: a block is one slice of its stacked array, so
 every key is written into the blocks' layout once (a prefix per query block would copy the first

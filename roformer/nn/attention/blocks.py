@@ -1,8 +1,8 @@
 """Softmax attention without dropout over query blocks, with a hand-written backward pass: the
-core of the dense kernel (`kernels.dense_attention`).
+core of the dense kernel (`kernels/dense.py`).
 
 Operands are heads first: q [B, G, R, L, K], keys and values [B, G, S, K] (legend in
-kernels.py). `attend_spans` runs query blocks over key prefixes, with any mask; causal
+call.py). `attend_spans` runs query blocks over key prefixes, with any mask; causal
 self-attention in equal blocks with no other mask has its own arrangement (`block_pairs.py`).
 
 The softmax. The forward pass normalises after the probability-value product (o = (e v) / l

@@ -26,6 +26,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from roformer.nn.attention.kernels import KERNELS
 from roformer.nn.attention.primitives import split_blocks
 from roformer.nn.attention.softmax import Attention
 
@@ -135,7 +136,7 @@ class LinearAttention(Attention):
       raise ValueError(
         f"model.linear_feature_map={cfg.linear_feature_map!r} is not one of {list(FEATURE_MAPS)}"
       )
-    if cfg.attention_impl not in ("auto", "dense", "chunked"):
+    if KERNELS[cfg.attention_impl].platform is not None:  # a fused kernel, not XLA's ops
       raise ValueError(
         f"model.attention_impl={cfg.attention_impl!r} is a softmax kernel, which "
         "model.attention='linear' does not use (its blockwise prefix sums are its kernel); "

@@ -25,8 +25,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from roformer.nn.attention import kv_cache
+from roformer.nn.attention.call import AttentionCall
 from roformer.nn.attention.kernels import KERNELS, dense_attention
-from roformer.nn.attention.softmax import attention_dropout, check_fused_config, kernel_init
+from roformer.nn.attention.softmax import attention_dropout, check_kernel_config, kernel_init
 from roformer.posenc.rope_scaling import mla_softmax_factor
 
 
@@ -103,7 +104,8 @@ class MLAttention(nnx.Module):
       )
     R = cfg.qk_rope_head_dim
     # Its queries and keys are head_dim + R wide.
-    check_fused_config(cfg, posenc_cls, head_dim=(cfg.head_dim or cfg.emb_dim // cfg.num_heads) + R)
+    head_dim = (cfg.head_dim or cfg.emb_dim // cfg.num_heads) + R
+    check_kernel_config(cfg, posenc_cls, head_dim=head_dim)
     if posenc_cls is not None and posenc_cls.rotated_dim(cfg.posenc, R) != R:
       raise ValueError(
         f"posenc.kind={cfg.posenc.kind!r} widens the rotary queries and keys, which "
@@ -140,8 +142,9 @@ class MLAttention(nnx.Module):
     qr_BLHR, kr_BS1R = posenc.rotate(q_BLHK[..., N:], kr_BS1R, qpos_BL, kpos_BS, rotary_state)
     return jnp.concatenate([q_BLHK[..., :N], qr_BLHR], axis=-1), kr_BS1R
 
-  def _attend_latent(self, kernel, q_BLHK, c_BSP, kr_BS1R, qpos_BL, kpos_BS, **kwargs):
-    """Expands the latent into per-head keys and values, then runs `kernel`; [B, L, H, N]."""
+  def _attend_latent(self, kernel, q_BLHK, c_BSP, kr_BS1R, qpos_BL, kpos_BS, **fields):
+    """Expands the latent into per-head keys and values, then runs `kernel` on a call of the
+    layer's mask and `fields` (`AttentionCall`'s); [B, L, H, N]."""
     N, H = self.head_dim, q_BLHK.shape[2]
     kv_BSHX = self.kv_up(c_BSP.astype(self.dtype))
     kr_BSHR = jnp.broadcast_to(kr_BS1R, (*kr_BS1R.shape[:2], H, self.rope_dim))
@@ -149,10 +152,11 @@ class MLAttention(nnx.Module):
     # The kernels take values as wide as keys: zero rotary columns, dropped from the output.
     v_BSHK = jnp.concatenate([kv_BSHX[..., N:], jnp.zeros_like(kr_BSHR, kv_BSHX.dtype)], axis=-1)
     q_BLHK = q_BLHK * jnp.asarray(self.softmax_factor, q_BLHK.dtype)
-    o_BLHK = kernel(
-      q_BLHK, k_BSHK, v_BSHK, qpos_BL, kpos_BS, causal=self.causal, window=self.window,
-      block=self.block, global_tokens=self.global_tokens, **kwargs,
+    call = AttentionCall(
+      causal=self.causal, window=self.window, block=self.block, global_tokens=self.global_tokens,
+      **fields,
     )  # fmt: skip
+    o_BLHK = kernel(q_BLHK, k_BSHK, v_BSHK, qpos_BL, kpos_BS, call)
     return o_BLHK[..., :N]
 
   def init_cache(self, batch: int, max_len: int) -> MLACache:

@@ -7,7 +7,7 @@ sinks; `roformer.posenc.extension`) change the relative distance per pair. The d
 calls it on its query spans and the chunked kernel on each (query block, key block), before the
 (online) softmax, so the chunked kernel's memory stays O(L * block).
 
-Dimension legend as kernels.py: B batch, L queries, S keys, H query heads, G key/value heads,
+Dimension legend as call.py: B batch, L queries, S keys, H query heads, G key/value heads,
 R = H // G, K head dim.
 """
 

@@ -104,7 +104,7 @@ def attention_mask(
 def allowed_pairs(qpos, kpos, *, causal, window=0, window_kind="sliding", global_tokens=0):
   """`attention_mask`'s rule without segments, on broadcastable query and key positions, or None
   when it allows every pair. Operators only, so it also runs on numpy arrays (the fused kernels
-  plan their blocks with it, `fused.py`)."""
+  plan their blocks with it, `kernels/splash.py`)."""
   allowed = (kpos <= qpos) if causal else None
   both = lambda a, b: b if a is None else a & b  # noqa: E731
   if window > 0 and window_kind == "blockwise":

@@ -6,7 +6,7 @@ window w shorter than the generated length, w slots used as a ring buffer (kv_ca
 StreamingLLM's attention sinks (posenc.extension kind "sinks"), the n sink slots and a ring of
 the recent window.
 
-Dimension legend as kernels.py; C cache slots.
+Dimension legend as call.py; C cache slots.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from roformer.nn.attention import forget_gate, fused, kv_cache
+from roformer.nn.attention import forget_gate, kv_cache
+from roformer.nn.attention.call import AttentionCall, Features
 from roformer.nn.attention.kernels import KERNELS, dense_attention
 from roformer.nn.attention.qk_norm import l2_norm, qk_norm_layers
 from roformer.nn.attention.sinks import sink_param
@@ -45,28 +46,14 @@ def attention_dropout(cfg) -> float:
   return cfg.dropout_rate if rate == -1.0 else rate
 
 
-def check_fused_config(cfg, posenc_cls, *, head_dim: int = 0) -> None:
-  """Raises ValueError, in one line, when the fused kernel `model.attention_impl` names cannot
-  run this model's attention (packing and exact lengths are checked when it runs)."""
-  if cfg.attention_impl not in fused.FUSED or posenc_cls is None:
+def check_kernel_config(cfg, posenc_cls, *, head_dim: int = 0) -> None:
+  """Raises ValueError, in one line, when the kernel `model.attention_impl` names cannot run this
+  model's attention (its `misfit` on `Features.from_config`; packing and exact lengths are
+  checked when it runs)."""
+  if posenc_cls is None:
     return
-  windowed = cfg.attention_window or cfg.attention_window_pattern
-  reason = fused.fused_misfit(
-    cfg.attention_impl,
-    bias=posenc_cls.acts_on_logits(),
-    factored=posenc_cls.has_bias_factors(causal=cfg.kind == "decoder"),
-    content_bias=posenc_cls.content_bias is not None,
-    pieces=cfg.posenc.extension.kind != "none",
-    dropout=attention_dropout(cfg) > 0,
-    sinks=cfg.attention_sinks,
-    key_bias=cfg.forget_gate,
-    window=1 if windowed else 0,
-    window_kind=cfg.attention_window_kind,
-    global_tokens=cfg.global_tokens,
-    dtype=cfg.dtype,
-    head_dim=head_dim,
-  )
-  if reason:
+  features = Features.from_config(cfg, posenc_cls, head_dim=head_dim)
+  if reason := KERNELS[cfg.attention_impl].misfit(features):
     raise ValueError(
       f"model.attention_impl={cfg.attention_impl!r} cannot run posenc.kind="
       f"{cfg.posenc.kind!r} here: {reason}"
@@ -202,9 +189,9 @@ class Attention(nnx.Module):
 
   @classmethod
   def check_config(cls, cfg, posenc_cls) -> None:
-    """Softmax attention honours every encoding and window; a fused kernel named by
-    `model.attention_impl` refuses what it cannot run (`check_fused_config`)."""
-    check_fused_config(cfg, posenc_cls, head_dim=cfg.head_dim or cfg.emb_dim // cfg.num_heads)
+    """Softmax attention honours every encoding and window; a kernel named by
+    `model.attention_impl` refuses what it cannot run (`check_kernel_config`)."""
+    check_kernel_config(cfg, posenc_cls, head_dim=cfg.head_dim or cfg.emb_dim // cfg.num_heads)
 
   @classmethod
   def rotary_head_dim(cls, cfg, head_dim: int) -> int:
@@ -303,6 +290,10 @@ class Attention(nnx.Module):
       if cache is not None:  # the cached c of the position before (0 from an empty slot)
         c_prev_BH = cache.c_BCH[:, (pos_BL[0, 0] - 1) % cache.c_BCH.shape[1]]
       c_BLH = forget_gate.cumulative(self.forget_gate(x_BLD), c_prev_BH)
+    call = AttentionCall(
+      causal=self.causal, window=self.window, window_kind=self.window_kind,
+      global_tokens=self.global_tokens, bias_fn=posenc.bias, sink_H=sink_H, **piecewise,
+    )  # fmt: skip
     if cache is not None:
       C = cache.k_BCGK.shape[1]
       # A cache shorter than sinks + window holds the whole generation: plain slots.
@@ -314,35 +305,18 @@ class Attention(nnx.Module):
       )
       if q_BLHK.shape[1] == 1:
         kpos_BC, kseg_BC = kv_cache.cache_keys(C, pos_BL, sinks)
-        o_BLHK = dense_attention(
-          q_BLHK, cache.k_BCGK, cache.v_BCGK, pos_BL, kpos_BC, qseg_BL=jnp.zeros_like(pos_BL),
-          kseg_BS=kseg_BC, causal=True, window=self.window, window_kind=self.window_kind,
-          bias_fn=posenc.bias, sink_H=sink_H,
-          key_bias_BSH=None if c_BLH is None else -cache.c_BCH, **piecewise,
+        step = call.replace(
+          causal=True, global_tokens=0, qseg_BL=jnp.zeros_like(pos_BL), kseg_BS=kseg_BC,
+          key_bias_BSH=None if c_BLH is None else -cache.c_BCH,
         )  # fmt: skip
+        o_BLHK = dense_attention(q_BLHK, cache.k_BCGK, cache.v_BCGK, pos_BL, kpos_BC, step)
         return o_BLHK, cache
-    o_BLHK = KERNELS[self.impl](
-      q_BLHK,
-      k_BLGK,
-      v_BLGK,
-      pos_BL,
-      pos_BL,
-      qseg_BL=segment_ids_BL,
-      kseg_BS=segment_ids_BL,
-      causal=self.causal,
-      window=self.window,
-      window_kind=self.window_kind,
-      bias_fn=posenc.bias,
-      bias_factors_fn=posenc.bias_factors,
-      content_bias_fn=posenc.content_bias,
-      dropout_rate=self.dropout_rate,
-      dropout_key=dropout_key,
-      block=self.block,
-      global_tokens=self.global_tokens,
-      **piecewise,
-      sink_H=sink_H,
-      key_bias_BSH=None if c_BLH is None else -c_BLH,
-    )
+    call = call.replace(
+      qseg_BL=segment_ids_BL, kseg_BS=segment_ids_BL, bias_factors_fn=posenc.bias_factors,
+      content_bias_fn=posenc.content_bias, dropout_rate=self.dropout_rate,
+      dropout_key=dropout_key, block=self.block, key_bias_BSH=None if c_BLH is None else -c_BLH,
+    )  # fmt: skip
+    o_BLHK = KERNELS[self.impl](q_BLHK, k_BLGK, v_BLGK, pos_BL, pos_BL, call)
     return o_BLHK, cache
 
   def _encode(self, q_BLHK, k_BLGK, pos_BL, posenc, rotary_state, *, rotate=True):

@@ -11,6 +11,7 @@ from roformer import testing
 from roformer.nn.attention import banded as attention_window
 from roformer.nn.attention import kernels as attention
 from roformer.nn.attention import primitives
+from roformer.nn.attention.call import AttentionCall
 from roformer.nn.config import layer_windows, validate_model
 
 B, L, H, G = 2, 29, 4, 2  # L is not a multiple of the block
@@ -36,8 +37,12 @@ def _weights(pos, seg):
   for causal in (True, False):
     for window in (1, 5, 12):
       kw = dict(qseg_BL=seg, kseg_BS=seg, causal=causal, window=window, block=8)
-      out[causal, window, "dense"] = attention.dense_attention(q, k, v, pos, pos, **kw)
-      out[causal, window, "chunked"] = attention.chunked_attention(q, k, v, pos, pos, **kw)
+      out[causal, window, "dense"] = attention.dense_attention(
+        q, k, v, pos, pos, AttentionCall(**kw)
+      )
+      out[causal, window, "chunked"] = attention.chunked_attention(
+        q, k, v, pos, pos, AttentionCall(**kw)
+      )
   return out
 
 
@@ -73,9 +78,9 @@ def test_window_at_least_the_length_equals_full_attention(impl):
   pos = _pos()
   kernel = attention.KERNELS[impl]
   for causal in (True, False):
-    full = kernel(q, k, v, pos, pos, causal=causal, block=8)
+    full = kernel(q, k, v, pos, pos, AttentionCall(causal=causal, block=8))
     for window in (L, L + 7):
-      got = kernel(q, k, v, pos, pos, causal=causal, window=window, block=8)
+      got = kernel(q, k, v, pos, pos, AttentionCall(causal=causal, window=window, block=8))
       np.testing.assert_allclose(got, full, atol=1e-5, rtol=1e-5)
 
 
@@ -87,8 +92,8 @@ def test_global_tokens_attend_and_are_attended_by_all():
   q, k, v = _normal((1, 12, H, 8), 6), _normal((1, 12, G, 8), 7), _normal((1, 12, G, 8), 8)
   kw = dict(causal=False, window=2, global_tokens=2, block=4)
   np.testing.assert_allclose(
-    attention.chunked_attention(q, k, v, pos, pos, **kw),
-    attention.dense_attention(q, k, v, pos, pos, **kw),
+    attention.chunked_attention(q, k, v, pos, pos, AttentionCall(**kw)),
+    attention.dense_attention(q, k, v, pos, pos, AttentionCall(**kw)),
     atol=1e-5,
   )
 

@@ -6,6 +6,7 @@ import pytest
 
 from roformer import testing
 from roformer.nn.attention import banded, kernels, primitives
+from roformer.nn.attention.call import AttentionCall
 
 B, L, H, G, W = 2, 45, 4, 2, 6  # L is not a multiple of the block or of the chunk
 
@@ -33,11 +34,13 @@ def test_chunked_and_banded_kernels_match_dense_under_chunked_windows(causal):
   pos = jnp.arange(L)[None, :] + jnp.array([[0], [50]])
   seg = (jnp.arange(L)[None, :] >= jnp.array([[27], [5]])).astype(jnp.int32)
   kw = dict(qseg_BL=seg, kseg_BS=seg, causal=causal, window=W, window_kind="chunked", block=8)
-  dense = kernels.dense_attention(q, k, v, pos, pos, **kw)
+  dense = kernels.dense_attention(q, k, v, pos, pos, AttentionCall(**kw))
   np.testing.assert_allclose(
-    kernels.chunked_attention(q, k, v, pos, pos, **kw), dense, atol=1e-5, rtol=1e-5
+    kernels.chunked_attention(q, k, v, pos, pos, AttentionCall(**kw)), dense, atol=1e-5, rtol=1e-5
   )
-  sliding = kernels.dense_attention(q, k, v, pos, pos, **{**kw, "window_kind": "sliding"})
+  sliding = kernels.dense_attention(
+    q, k, v, pos, pos, AttentionCall(**{**kw, "window_kind": "sliding"})
+  )
   assert not np.allclose(sliding, dense, atol=1e-3)
 
 

@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 
 from roformer import testing
-from roformer.nn.attention import cpu_flash, kernels
+from roformer.nn.attention import kernels
+from roformer.nn.attention.call import AttentionCall
+from roformer.nn.attention.kernels import cpu_flash
 
 TOL = 1e-5
 
@@ -52,19 +54,31 @@ def _max_errors(got, want):
 def test_cpu_flash_equals_dense_in_outputs_and_gradients(B, L, H, G, K, V):
   q, k, v, w, pos = _inputs(B, L, H, G, K, V=V)
   want = _value_and_grads(
-    lambda q, k, v: kernels.dense_attention(q, k, v, pos, pos, causal=True), q, k, v, w
+    lambda q, k, v: kernels.dense_attention(q, k, v, pos, pos, AttentionCall(causal=True)),
+    q,
+    k,
+    v,
+    w,
   )
   got = _value_and_grads(
-    lambda q, k, v: cpu_flash.cpu_flash_attention(q, k, v, pos, pos, causal=True), q, k, v, w
+    lambda q, k, v: cpu_flash.cpu_flash_attention(q, k, v, pos, pos, AttentionCall(causal=True)),
+    q,
+    k,
+    v,
+    w,
   )
   assert max(_max_errors(got, want)) < TOL
   # Negative control: the same comparison sees a mask shifted by one (each query's own key
   # masked) and bidirectional attention.
   shifted = _value_and_grads(
-    lambda q, k, v: kernels.dense_attention(q, k, v, pos, pos + 1, causal=True), q, k, v, w
+    lambda q, k, v: kernels.dense_attention(q, k, v, pos, pos + 1, AttentionCall(causal=True)),
+    q,
+    k,
+    v,
+    w,
   )
   bidirectional = _value_and_grads(
-    lambda q, k, v: kernels.dense_attention(q, k, v, pos, pos), q, k, v, w
+    lambda q, k, v: kernels.dense_attention(q, k, v, pos, pos, AttentionCall()), q, k, v, w
   )
   for wrong in (shifted, bidirectional):
     assert _max_errors(got[:1], wrong[:1])[0] > 100 * TOL
@@ -87,12 +101,14 @@ def test_auto_on_cpu_runs_cpu_flash_for_plain_causal_self_attention_only(monkeyp
     (dict(causal=True, sink_H=jnp.zeros(4)), False),
   ]:
     calls.clear()
-    got = kernels.auto_attention(q, k, v, pos, pos, block=512, **kwargs)
-    want = kernels.dense_attention(q, k, v, pos, pos, **kwargs)
+    got = kernels.auto_attention(q, k, v, pos, pos, AttentionCall(block=512, **kwargs))
+    want = kernels.dense_attention(q, k, v, pos, pos, AttentionCall(**kwargs))
     assert bool(calls) == used, kwargs
     assert float(jnp.abs(got - want).max()) < TOL
   calls.clear()
-  kernels.auto_attention(*(x.astype(jnp.bfloat16) for x in (q, k, v)), pos, pos, causal=True)
+  kernels.auto_attention(
+    *(x.astype(jnp.bfloat16) for x in (q, k, v)), pos, pos, AttentionCall(causal=True)
+  )
   assert not calls  # float32 only
 
 
@@ -113,14 +129,14 @@ def test_cpu_flash_refuses_what_it_cannot_run_in_one_line(kwargs, message):
   with pytest.raises(
     ValueError, match=f"attention_impl='cpu_flash' cannot run this attention: .*{message}"
   ):
-    cpu_flash.cpu_flash_attention(q, k, v, pos, pos, **kwargs)
+    cpu_flash.cpu_flash_attention(q, k, v, pos, pos, AttentionCall(**kwargs))
 
 
 def test_cpu_flash_refuses_16_bit_inputs_in_one_line():
   q, k, v, _, pos = _inputs(2, 40, 4, 2, 16)
   with pytest.raises(ValueError, match="float32"):
     cpu_flash.cpu_flash_attention(
-      *(x.astype(jnp.bfloat16) for x in (q, k, v)), pos, pos, causal=True
+      *(x.astype(jnp.bfloat16) for x in (q, k, v)), pos, pos, AttentionCall(causal=True)
     )
 
 
@@ -139,12 +155,17 @@ def no_compiler(monkeypatch, tmp_path):
 def test_without_a_compiler_auto_falls_back_and_cpu_flash_says_why(no_compiler):
   assert "did not build" in cpu_flash.unavailable()
   q, k, v, _, pos = _inputs(2, 40, 4, 2, 16)
-  got = kernels.auto_attention(q, k, v, pos, pos, causal=True)
-  assert float(jnp.abs(got - kernels.dense_attention(q, k, v, pos, pos, causal=True)).max()) < TOL
+  got = kernels.auto_attention(q, k, v, pos, pos, AttentionCall(causal=True))
+  assert (
+    float(
+      jnp.abs(got - kernels.dense_attention(q, k, v, pos, pos, AttentionCall(causal=True))).max()
+    )
+    < TOL
+  )
   with pytest.raises(
     RuntimeError, match="cpu_flash' cannot run: the CPU kernel did not build.*no-such-c"
   ):
-    cpu_flash.cpu_flash_attention(q, k, v, pos, pos, causal=True)
+    cpu_flash.cpu_flash_attention(q, k, v, pos, pos, AttentionCall(causal=True))
 
 
 def test_cpu_flash_in_the_model_equals_dense_in_a_training_step():
@@ -159,7 +180,9 @@ import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 from roformer.config import MeshConfig
 from roformer.infra.sharding import make_mesh
-from roformer.nn.attention import cpu_flash, kernels
+from roformer.nn.attention import kernels
+from roformer.nn.attention.kernels import cpu_flash
+from roformer.nn.attention.call import AttentionCall
 mesh = make_mesh(MeshConfig(data=2, fsdp=1, tensor=2))
 r = np.random.default_rng(0)
 q, k, v, w = (jnp.asarray(r.standard_normal(s), jnp.float32)
@@ -167,11 +190,11 @@ q, k, v, w = (jnp.asarray(r.standard_normal(s), jnp.float32)
 pos = jnp.broadcast_to(jnp.arange(100), (4, 100))
 put = lambda x: jax.device_put(x, NamedSharding(mesh, P("data", None, "tensor", None)))
 def loss(fn):
-  return jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(fn(q, k, v, pos, pos, causal=True) * w),
+  return jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(fn(q, k, v, pos, pos, CAUSAL) * w),
                                     argnums=(0, 1, 2)))
 with jax.set_mesh(mesh):
   got = loss(cpu_flash.cpu_flash_attention)(put(q), put(k), put(v))
-  run = jax.jit(lambda q, k, v: cpu_flash.cpu_flash_attention(q, k, v, pos, pos, causal=True))
+  run = jax.jit(lambda q, k, v: cpu_flash.cpu_flash_attention(q, k, v, pos, pos, CAUSAL))
   text = run.lower(put(q), put(k), put(v)).compile().as_text()
 want = loss(kernels.dense_attention)(q, k, v)
 pairs = zip(jax.tree.leaves(got), jax.tree.leaves(want))

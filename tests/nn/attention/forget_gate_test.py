@@ -10,6 +10,7 @@ from flax import nnx
 
 from roformer import testing
 from roformer.nn.attention import forget_gate, kernels
+from roformer.nn.attention.call import AttentionCall
 from roformer.nn.attention.softmax import Attention
 
 B, L, H, G, K, D = 2, 21, 4, 2, 8, 16
@@ -58,9 +59,20 @@ def _kernel(impl, window):
 
   def attend(q, k, v, logf):
     return kernels.KERNELS[impl](
-      q, k, v, pos, pos, qseg_BL=seg, kseg_BS=seg, causal=True, window=window, block=BLOCK,
-      key_bias_BSH=-forget_gate.cumulative(logf),
-    )  # fmt: skip
+      q,
+      k,
+      v,
+      pos,
+      pos,
+      AttentionCall(
+        qseg_BL=seg,
+        kseg_BS=seg,
+        causal=True,
+        window=window,
+        block=BLOCK,
+        key_bias_BSH=-forget_gate.cumulative(logf),
+      ),
+    )
 
   return attend
 

@@ -1,9 +1,9 @@
-"""roformer/nn/attention/fused.py: JAX's fused kernels (Pallas splash and flash attention in
-interpret mode on this CPU; the cuDNN adapter through XLA's implementation of the same call)
-against the dense kernel, forward and gradients, for every form the docs' table says runs fused;
-the refusals, one line each; and `auto`'s choice per platform."""
+"""JAX's fused kernels (kernels/splash.py, flash_bias.py, cudnn.py; Pallas in interpret mode on
+this CPU, cuDNN's adapter through XLA's implementation) beyond the conformance test's matrix:
+padding to TPU lanes, a negative control of the mask rule, the refusals in one line, `auto`'s
+choice per platform, precision of folded biases, the model's training step and a mesh."""
 
-import functools
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +12,9 @@ import pytest
 from flax import nnx
 
 from roformer import testing
-from roformer.nn.attention import bias_factors, fused, kernels
+from roformer.nn.attention import bias_factors, kernels
+from roformer.nn.attention.call import AttentionCall, Features
+from roformer.nn.attention.kernels import KERNELS, base, cudnn, flash_bias, padding, splash
 from roformer.posenc import make_posenc
 from roformer.posenc.config import PosEncConfig
 
@@ -78,12 +80,13 @@ def _compare(kernel, kind="rope", *, causal=True, groups=G, positions="offset", 
         return b
       return extra["bias"] if b is None else b + extra["bias"]
 
-    o = fn(
-      q, k, v, pos, pos, qseg_BL=seg, kseg_BS=seg, causal=causal, bias_fn=bias_fn,
+    call = AttentionCall(
+      qseg_BL=seg, kseg_BS=seg, causal=causal, bias_fn=bias_fn,
       bias_factors_fn=None if extra["bias"] is not None else posenc.bias_factors,
       content_bias_fn=posenc.content_bias, sink_H=extra["sink_H"],
       key_bias_BSH=extra["key_bias_BSH"], **kwargs,
     )  # fmt: skip
+    o = fn(q, k, v, pos, pos, call)
     return (o * cotangent).sum(), o
 
   grad = jax.grad(loss, argnums=(1, 2, 3, 4), has_aux=True)
@@ -95,109 +98,39 @@ def _compare(kernel, kind="rope", *, causal=True, groups=G, positions="offset", 
   return err, scale
 
 
-SPLASH_CASES = {
-  "rope causal GQA": dict(kind="rope"),
-  "rope MQA": dict(kind="rope", groups=1),
-  "rope encoder packed": dict(kind="rope", causal=False, packed=True),
-  "rope decoder packed": dict(kind="rope", packed=True),
-  "xpos": dict(kind="xpos"),
-  "nope sliding window packed": dict(kind="nope", packed=True, window=16),
-  "rope encoder sliding window": dict(kind="rope", causal=False, window=9),
-  "rope encoder window + global tokens": dict(
-    kind="rope", causal=False, window=9, global_tokens=3, positions="zero"
-  ),
-  "rope chunked (iRoPE)": dict(kind="rope", window=32, window_kind="chunked", positions="zero"),
-  "xpos blockwise (BCA)": dict(kind="xpos", window=32, window_kind="blockwise", positions="zero"),
-  "sinusoidal sinks": dict(kind="sinusoidal", sinks=True),
-  "rope sinks sliding": dict(kind="rope", sinks=True, window=16),
-  "pope (keys twice as wide)": dict(kind="pope"),
-  # Biases folded into q and k (fold_bias_factors): ALiBi's m j and FoX's -c_j as key columns
-  # against query columns of ones, Sandwich's sinusoids on both sides.
-  "alibi decoder GQA (slopes per head: keys repeated)": dict(kind="alibi"),
-  "alibi decoder MQA packed": dict(kind="alibi", groups=1, packed=True),
-  "alibi decoder sliding window": dict(kind="alibi", window=16),
-  "sandwich decoder GQA": dict(kind="sandwich"),
-  "sandwich encoder packed": dict(kind="sandwich", causal=False, packed=True),
-  "fox (nope + forget gate) packed": dict(kind="nope", forget=True, packed=True),
-  "fox + rope sinks, MQA": dict(kind="rope", forget=True, sinks=True, groups=1),
-}
-
-
-@pytest.mark.parametrize("case", list(SPLASH_CASES))
-def test_splash_equals_dense_forward_and_gradients(case):
-  err, scale = _compare(fused.splash_attention, **SPLASH_CASES[case])
-  assert err <= TOL * max(1.0, scale), (err, scale)
-
-
-@pytest.mark.parametrize("kernel", ["splash_attention", "flash_bias_attention"])
+@pytest.mark.parametrize("kernel", ["splash", "flash_bias"])
 def test_head_dims_padded_to_tpu_lanes_change_nothing(monkeypatch, kernel):
-  monkeypatch.setattr(fused, "PAD_HEAD_DIM", True)  # as flash_bias on a TPU above 128: 16 -> 128
+  monkeypatch.setattr(padding, "PAD_HEAD_DIM", True)  # as flash_bias on a TPU above 128: 16 -> 128
   widths = []
-  real = fused._head_width
+  real = padding.head_width
 
   def recorded(*args, **kwargs):
     widths.append(real(*args, **kwargs))
     return widths[-1]
 
-  monkeypatch.setattr(fused, "_head_width", recorded)
-  case = dict(sinks=True) if kernel == "splash_attention" else dict(extra_bias=True)
-  err, scale = _compare(getattr(fused, kernel), kind="pope", **case)  # q, k 16 wide, v 8
+  monkeypatch.setattr(padding, "head_width", recorded)
+  case = dict(sinks=True) if kernel == "splash" else dict(extra_bias=True)
+  err, scale = _compare(KERNELS[kernel].call, kind="pope", **case)  # q, k 16 wide, v 8
   assert err <= TOL * max(1.0, scale)
-  assert widths and set(widths) == {fused.LANES}
+  assert widths and set(widths) == {padding.LANES}
 
 
-FLASH_BIAS_CASES = {
-  "t5 encoder packed": dict(kind="t5", causal=False, packed=True),
-  "t5 decoder": dict(kind="t5"),
-  "alibi encoder": dict(kind="alibi", causal=False),
-  "alibi decoder sliding window": dict(kind="alibi", window=16),
-  "kerple": dict(kind="kerple"),
-  "fire": dict(kind="fire"),
-  "sandwich": dict(kind="sandwich"),
-  "rope + learned bias (dab)": dict(kind="rope", extra_bias=True),
-  "fox (nope + forget gate)": dict(kind="nope", forget=True, packed=True),
-  "t5 chunked window": dict(kind="t5", window=32, window_kind="chunked", positions="zero"),
-  "alibi blockwise (BCA)": dict(kind="alibi", window=32, window_kind="blockwise"),
-  "t5 encoder window + global tokens": dict(kind="t5", causal=False, window=9, global_tokens=3),
-  "alibi MQA": dict(kind="alibi", groups=1),
-}
-
-
-@pytest.mark.parametrize("case", list(FLASH_BIAS_CASES))
-def test_flash_bias_equals_dense_forward_and_gradients(case):
-  err, scale = _compare(fused.flash_bias_attention, **FLASH_BIAS_CASES[case])
-  assert err <= TOL * max(1.0, scale), (err, scale)
-
-
-CUDNN_CASES = {
-  "rope causal GQA": dict(kind="rope"),
-  "rope sliding window (native)": dict(kind="rope", window=16),
-  "t5 encoder packed (mask)": dict(kind="t5", causal=False, packed=True),
-  "alibi blockwise (mask)": dict(kind="alibi", window=32, window_kind="blockwise"),
-  "rope chunked (mask)": dict(kind="rope", window=32, window_kind="chunked"),
-  "rope encoder sliding window (mask)": dict(kind="rope", causal=False, window=9),
-  "t5 encoder global tokens (mask)": dict(kind="t5", causal=False, window=9, global_tokens=3),
-  "pope": dict(kind="pope"),
-  "fox": dict(kind="nope", forget=True),
-}
-
-
-@pytest.mark.parametrize("case", list(CUDNN_CASES))
-def test_cudnn_adapter_equals_dense_through_xla(case):
-  xla = functools.partial(fused.cudnn_attention, implementation="xla")
-  err, scale = _compare(xla, **CUDNN_CASES[case])
+# What the conformance matrix does not hold: a learned bias over the encoding's (DAB).
+@pytest.mark.parametrize("kernel", ["flash_bias", "cudnn"])
+def test_a_bias_beside_the_encoding_equals_dense(kernel):
+  err, scale = _compare(KERNELS[kernel].emulated, kind="rope", extra_bias=True)
   assert err <= TOL * max(1.0, scale), (err, scale)
 
 
 def test_a_wrong_mask_rule_is_caught(monkeypatch):
   """Negative control: the comparison sees a window one key wider than the dense kernel's."""
-  real = fused._index_mask
+  real = splash.index_mask
 
   def one_wider(P, causal, window, window_kind, global_tokens):
     return real(P, causal, window + 1, window_kind, global_tokens)
 
-  monkeypatch.setattr(fused, "_index_mask", one_wider)
-  err, scale = _compare(fused.splash_attention, kind="rope", window=16)
+  monkeypatch.setattr(splash, "index_mask", one_wider)
+  err, scale = _compare(splash.splash_attention, kind="rope", window=16)
   assert err > 1e-3 * scale
 
 
@@ -206,25 +139,25 @@ def test_a_splash_kernel_made_under_one_jit_serves_the_next():
   train step, then an eval step of the same shape)."""
   q, k, v = _normal((B, L, H, K), 0), _normal((B, L, G, K), 1), _normal((B, L, G, K), 2)
   pos = jnp.broadcast_to(jnp.arange(L), (B, L))
-  attend = lambda q: fused.splash_attention(q, k, v, pos, pos, causal=True)  # noqa: E731
+  attend = lambda q: splash.splash_attention(q, k, v, pos, pos, AttentionCall(causal=True))  # noqa: E731
   first = jax.jit(attend)(q)
   second = jax.jit(lambda q: attend(q) * 2.0)(q)
   np.testing.assert_allclose(second, 2.0 * first, rtol=1e-6)
 
 
 REFUSALS = [
-  (fused.splash_attention, dict(kind="t5"), "splash.*no query-key factors.*flash_bias"),
-  (fused.splash_attention, dict(kind="alibi", causal=False), "splash.*no query-key factors"),
-  (fused.splash_attention, dict(kind="rope", extra_bias=True), "splash.*no query-key factors"),
-  (fused.splash_attention, dict(kind="alibi", sinks=True), "splash.*per-query constant.*sink"),
+  (splash.splash_attention, dict(kind="t5"), "splash.*no query-key factors.*flash_bias"),
+  (splash.splash_attention, dict(kind="alibi", causal=False), "splash.*no query-key factors"),
+  (splash.splash_attention, dict(kind="rope", extra_bias=True), "splash.*no query-key factors"),
+  (splash.splash_attention, dict(kind="alibi", sinks=True), "splash.*per-query constant.*sink"),
   (
-    fused.splash_attention,
+    splash.splash_attention,
     dict(kind="rope", packed=True, window=32, window_kind="chunked"),
     "splash.*chunked windows count token indices",
   ),
-  (fused.flash_bias_attention, dict(kind="t5", sinks=True), "flash_bias.*sink logit.*splash"),
-  (fused.cudnn_attention, dict(kind="rope"), "cudnn.*cuDNN runs on a GPU, not on cpu"),
-  (fused.cudnn_attention, dict(kind="rope", sinks=True), "cudnn.*sink logit"),
+  (flash_bias.flash_bias_attention, dict(kind="t5", sinks=True), "flash_bias.*sink logit.*splash"),
+  (cudnn.cudnn_attention, dict(kind="rope"), "cudnn.*cuDNN runs on a GPU, not on cpu"),
+  (cudnn.cudnn_attention, dict(kind="rope", sinks=True), "cudnn.*sink logit"),
 ]
 
 
@@ -237,10 +170,10 @@ def test_calls_a_kernel_cannot_run_are_refused_in_one_line(kernel, case, message
 
 def test_cudnn_limits_are_refused_in_one_line():
   gpu = dict(platform="gpu")
-  assert "not float32" in fused.fused_misfit("cudnn", dtype="float32", **gpu)
-  assert "not 192" in fused.fused_misfit("cudnn", dtype="bfloat16", head_dim=192, **gpu)
-  assert "even lengths" in fused.fused_misfit("cudnn", bias=True, length=101, **gpu)
-  assert fused.fused_misfit("cudnn", dtype="bfloat16", head_dim=64, length=101, **gpu) is None
+  assert "not float32" in cudnn.misfit(Features(dtype="float32", **gpu))
+  assert "not 192" in cudnn.misfit(Features(dtype="bfloat16", head_dim=192, **gpu))
+  assert "even lengths" in cudnn.misfit(Features(bias=True, length=101, **gpu))
+  assert cudnn.misfit(Features(dtype="bfloat16", head_dim=64, length=101, **gpu)) is None
 
 
 def test_cudnn_takes_fox_bias_relative_to_each_row_in_bfloat16():
@@ -250,18 +183,13 @@ def test_cudnn_takes_fox_bias_relative_to_each_row_in_bfloat16():
   q, k, v = (_normal((1, length, 2, 8), s).astype(jnp.bfloat16) for s in (0, 1, 2))
   pos = jnp.arange(length)[None]
   c_BLH = -300.0 - jnp.cumsum(jnp.full((1, length, 2), 0.05), axis=1)
-  common = dict(causal=True)
-  want = kernels.dense_attention(
-    *(x.astype(jnp.float32) for x in (q, k, v)), pos, pos, key_bias_BSH=-c_BLH, **common
-  )
-  got = fused.cudnn_attention(
-    q, k, v, pos, pos, implementation="xla", key_bias_BSH=-c_BLH, **common
-  ).astype(jnp.float32)
-  absolute = fused.cudnn_attention(  # control: the same bias as an absolute one, cast as is
-    q, k, v, pos, pos, implementation="xla",
-    bias_fn=lambda qp, kp: jnp.broadcast_to(-c_BLH.transpose(0, 2, 1)[:, :, None, :],
-                                            (1, 2, length, length)),
-    **common,
+  fox = AttentionCall(causal=True, key_bias_BSH=-c_BLH)
+  want = kernels.dense_attention(*(x.astype(jnp.float32) for x in (q, k, v)), pos, pos, fox)
+  got = cudnn.emulated(q, k, v, pos, pos, fox).astype(jnp.float32)
+  absolute = cudnn.emulated(  # control: the same bias as an absolute one, cast as is
+    q, k, v, pos, pos,
+    AttentionCall(causal=True, bias_fn=lambda qp, kp: jnp.broadcast_to(
+      -c_BLH.transpose(0, 2, 1)[:, :, None, :], (1, 2, length, length))),
   ).astype(jnp.float32)  # fmt: skip
   assert float(jnp.abs(got - want).max()) < 0.05
   assert float(jnp.abs(absolute - want).max()) > 0.2
@@ -283,26 +211,29 @@ def test_folded_key_factors_keep_float32_precision_in_bfloat16(monkeypatch, kind
     options["key_bias_BSH"] = -c_BLH
   largest = float(jnp.abs(c_BLH).max()) if kind == "fox" else 0.25 * (length - 1)
   assert largest > 250  # past the integers bfloat16 holds exactly
-  want = kernels.dense_attention(q, k, v, pos, pos, **options)
+  call = AttentionCall(**options)
+  want = kernels.dense_attention(q, k, v, pos, pos, call)
   low = [x.astype(jnp.bfloat16) for x in (q, k, v)]
 
   def error(fn):
-    got = jax.jit(lambda q, k, v: fn(q, k, v, pos, pos, **options))(*low)
+    got = jax.jit(lambda q, k, v: fn(q, k, v, pos, pos, call))(*low)
     return float(jnp.abs(got.astype(jnp.float32) - want).max())
 
   dense_bf16 = error(kernels.dense_attention)  # bfloat16 inputs, float32 bias: the reference
-  folded = error(fused.splash_attention)
+  folded = error(splash.splash_attention)
   monkeypatch.setattr(bias_factors, "KEY_FACTOR_PIECES", 1)
-  one_piece = error(fused.splash_attention)
+  one_piece = error(splash.splash_attention)
   assert folded <= 1.5 * dense_bf16, (folded, dense_bf16)
   assert one_piece > 10 * dense_bf16, (one_piece, dense_bf16)  # the control
 
 
 def test_cope_and_dropout_are_refused_by_every_fused_kernel():
-  for kernel in fused.FUSED:
-    assert "dense kernel" in fused.fused_misfit(kernel, content_bias=True)
-    assert "dropout" in fused.fused_misfit(kernel, dropout=True)
-    assert "per piece" in fused.fused_misfit(kernel, pieces=True)
+  fused = [kernel for kernel in KERNELS.values() if kernel.platform is not None]
+  assert {kernel.name for kernel in fused} >= {"splash", "flash_bias", "cudnn", "cpu_flash"}
+  for kernel in fused:
+    assert "dense kernel" in kernel.misfit(Features(causal=True, content_bias=True))
+    assert "dropout" in kernel.misfit(Features(causal=True, dropout=True))
+    assert "per piece" in kernel.misfit(Features(causal=True, pieces=True))
 
 
 @pytest.mark.parametrize(
@@ -373,25 +304,32 @@ def test_auto_picks_the_fastest_kernel_the_platform_and_encoding_allow(
 
     return kernel
 
-  for name in fused.FUSED:
-    monkeypatch.setitem(fused.FUSED, name, recorder(name))
-  monkeypatch.setattr(fused, "target_platform", lambda: platform)
+  for name in ("splash", "flash_bias", "cudnn"):
+    monkeypatch.setitem(KERNELS, name, dataclasses.replace(KERNELS[name], call=recorder(name)))
+  monkeypatch.setattr(base, "target_platform", lambda: platform)
   _compare(kernels.auto_attention, **case, block=512)
   assert (calls[0] if calls else None) == picked
 
 
 def test_auto_leaves_a_bias_too_large_for_flash_bias_to_the_xla_kernels(monkeypatch):
   calls = []
-  monkeypatch.setitem(fused.FUSED, "flash_bias", lambda *a, **k: calls.append(1))
-  monkeypatch.setattr(fused, "target_platform", lambda: "tpu")
-  monkeypatch.setattr(fused, "AUTO_BIAS_BYTES", B * H * 128 * 128 * 4 - 1)  # L = 100 -> 128
+  recorder = dataclasses.replace(KERNELS["flash_bias"], call=lambda *a: calls.append(1))
+  monkeypatch.setitem(KERNELS, "flash_bias", recorder)
+  monkeypatch.setattr(base, "target_platform", lambda: "tpu")
+  monkeypatch.setattr(flash_bias, "AUTO_BIAS_BYTES", B * H * 128 * 128 * 4 - 1)  # L = 100 -> 128
   _compare(kernels.auto_attention, kind="alibi", block=512)
   assert not calls
 
 
 def test_auto_on_cpu_is_unchanged_by_the_fused_kernels(monkeypatch):
-  """auto on a CPU never reaches fused.py: training losses cannot change."""
-  monkeypatch.setattr(fused, "pick_fused", lambda *a: pytest.fail("auto consulted fused"))
+  """auto on a CPU never asks the TPU and GPU kernels: training losses cannot change."""
+
+  def refuse_to_be_asked(features):
+    pytest.fail("auto consulted a TPU or GPU kernel")
+
+  for name in ("splash", "flash_bias", "cudnn"):
+    kernel = dataclasses.replace(KERNELS[name], misfit=refuse_to_be_asked)
+    monkeypatch.setitem(KERNELS, name, kernel)
   for case in (dict(kind="rope"), dict(kind="alibi", window=16)):
     err, _ = _compare(kernels.auto_attention, **case, block=8)  # the chunked path at L = 100
     assert err < 1e-5
@@ -420,7 +358,8 @@ import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 from roformer.config import MeshConfig
 from roformer.infra.sharding import make_mesh
-from roformer.nn.attention import bias_factors, fused, kernels
+from roformer.nn.attention import bias_factors, kernels
+from roformer.nn.attention.call import AttentionCall
 from flax import nnx
 from roformer.posenc import make_posenc
 from roformer.posenc.config import PosEncConfig
@@ -438,10 +377,10 @@ put = lambda x: jax.device_put(x, NamedSharding(mesh, P("data", None, "tensor", 
 with jax.set_mesh(mesh):
   for label, kw in (("splash", dict(sink_H=sink)), ("flash_bias", dict(bias_fn=lambda a, b: ab)),
                     ("splash_folded", folded)):
-    kw = dict(causal=True, window=16, **kw)
-    fn = getattr(fused, label.removesuffix("_folded") + "_attention")
-    got = jax.jit(lambda q, k, v: fn(q, k, v, pos, pos, **kw))(put(q), put(k), put(v))
-    print(label, float(jnp.abs(got - kernels.dense_attention(q, k, v, pos, pos, **kw)).max()))
+    call = AttentionCall(causal=True, window=16, **kw)
+    fn = kernels.KERNELS[label.removesuffix("_folded")]
+    got = jax.jit(lambda q, k, v: fn(q, k, v, pos, pos, call))(put(q), put(k), put(v))
+    print(label, float(jnp.abs(got - kernels.dense_attention(q, k, v, pos, pos, call)).max()))
 """
 
 

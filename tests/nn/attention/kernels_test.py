@@ -1,4 +1,6 @@
-"""roformer/nn/attention/kernels.py: kernels agree with each other and with a naive reference."""
+"""roformer/nn/attention/kernels/ (dense, chunked, auto): what the conformance test against the
+oracle does not reach: the dense kernel's causal query blocks, the layer's GQA/MQA, dropout,
+memory and the hand-written softmax backward; and the oracle itself against a naive loop."""
 
 import functools
 
@@ -8,9 +10,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from roformer.nn.attention import block_pairs, blocks, cpu_flash, softmax
+from roformer.nn.attention import block_pairs, blocks, softmax
 from roformer.nn.attention import kernels as attention
-from roformer.posenc import POSENCS, make_posenc
+from roformer.nn.attention.call import AttentionCall
+from roformer.nn.attention.kernels import cpu_flash, dense
+from roformer.nn.attention.oracle import reference_attention
+from roformer.nn.attention.primitives import NEG
+from roformer.posenc import make_posenc
 from roformer.posenc.config import PosEncConfig, RopeScaling
 
 B, L, H, G, K = 2, 37, 4, 2, 8  # L is not a multiple of BLOCK
@@ -47,60 +53,6 @@ def _posenc(kind, causal, scaling=None):
     )
 
 
-POSENC_CASES = [(kind, None) for kind in tuple(POSENCS)] + [
-  ("rope", RopeScaling(kind="yarn", factor=4.0, original_max_len=16))
-]
-
-
-def _max_kernel_diffs(kind, scaling, variants):
-  """Max |chunked - dense| for each (causal, segments, window) variant, in one compiled program."""
-  q, k, v = _qkv()
-  pos = _positions()
-  posencs = {causal: _posenc(kind, causal, scaling) for causal in {c for c, _, _ in variants}}
-
-  @jax.jit
-  def diffs(q, k, v, seg):
-    out = []
-    for causal, use_seg, window in variants:
-      posenc = posencs[causal]
-      q_rot, k_rot = posenc.rotate(q, k, pos, pos)
-      kwargs = dict(
-        qseg_BL=seg if use_seg else None, kseg_BS=seg if use_seg else None, causal=causal,
-        window=window, bias_fn=posenc.bias, block=BLOCK,
-      )  # fmt: skip
-      want = attention.dense_attention(q_rot, k_rot, v, pos, pos, **kwargs)
-      got = attention.chunked_attention(q_rot, k_rot, v, pos, pos, **kwargs)
-      out.append(jnp.abs(got - want).max())
-    return jnp.stack(out)
-
-  return dict(zip(variants, diffs(q, k, v, _segments()).tolist(), strict=True))
-
-
-@pytest.mark.parametrize(("kind", "scaling"), POSENC_CASES)
-def test_chunked_matches_dense_for_every_posenc(kind, scaling):
-  # Segments and a window at once, so masked, partly masked and skipped blocks all occur. The
-  # biases differ between causal and bidirectional attention; the other hooks do not.
-  variants = [(True, True, 6)] + ([(False, True, 6)] if kind in ("alibi", "t5") else [])
-  for variant, diff in _max_kernel_diffs(kind, scaling, variants).items():
-    assert diff < 1e-5, variant
-
-
-@pytest.mark.slow
-def test_chunked_matches_dense_for_every_mask_combination():
-  variants = [(c, s, w) for c in (True, False) for s in (False, True) for w in (0, 6)]
-  for variant, diff in _max_kernel_diffs("t5", None, variants).items():
-    assert diff < 1e-5, variant
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(("kind", "scaling"), POSENC_CASES)
-def test_chunked_matches_dense_for_every_posenc_and_mask_combination(kind, scaling):
-  causals = (True,) if POSENCS[kind].causal_only else (True, False)
-  variants = [(c, s, w) for c in causals for s in (False, True) for w in (0, 6)]
-  for variant, diff in _max_kernel_diffs(kind, scaling, variants).items():
-    assert diff < 1e-5, variant
-
-
 def _naive_attention(q, k, v, qpos, kpos, seg, causal, window, bias):
   q, k, v, qpos, kpos, seg, bias = map(np.asarray, (q, k, v, qpos, kpos, seg, bias))
   out = np.zeros(q.shape, np.float64)
@@ -133,22 +85,39 @@ def _position_bias(qpos_BL, kpos_BS):
 @pytest.mark.parametrize("causal", [True, False])
 def test_dense_matches_naive_loop_with_segments_window_and_bias(causal, query_block, monkeypatch):
   if query_block:  # causal self-attention in query blocks [0, 3), [3, 6), [6, 9), [9, 11)
-    monkeypatch.setattr(attention, "CAUSAL_QUERY_BLOCK", query_block)
+    monkeypatch.setattr(dense, "CAUSAL_QUERY_BLOCK", query_block)
   length = 11
   q, k, v = _qkv(length=length)
   pos, seg = _positions(length), _segments(length)
   got = attention.dense_attention(
-    q, k, v, pos, pos, qseg_BL=seg, kseg_BS=seg, causal=causal, window=4, bias_fn=_position_bias
+    q,
+    k,
+    v,
+    pos,
+    pos,
+    AttentionCall(qseg_BL=seg, kseg_BS=seg, causal=causal, window=4, bias_fn=_position_bias),
   )
   want = _naive_attention(q, k, v, pos, pos, seg, causal, 4, _position_bias(pos, pos))
   np.testing.assert_allclose(got, want, atol=1e-5)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_oracle_matches_naive_loop_with_segments_window_and_bias(causal):
+  """The oracle every kernel is held to (conformance_test.py), against plain numpy loops."""
+  length = 11
+  q, k, v = _qkv(length=length)
+  pos, seg = _positions(length), _segments(length)
+  call = AttentionCall(qseg_BL=seg, kseg_BS=seg, causal=causal, window=4, bias_fn=_position_bias)
+  got = reference_attention(q, k, v, pos, pos, call)
+  want = _naive_attention(q, k, v, pos, pos, seg, causal, 4, _position_bias(pos, pos))
+  np.testing.assert_allclose(got, want, atol=1e-5)
+
+
 def test_causal_query_blocks_cover_the_rows_and_stop_the_keys_at_the_block_end():
-  assert attention.causal_query_blocks(100) == [(0, 100, 100)]
-  assert attention.causal_query_blocks(300) == [(0, 100, 100), (100, 200, 200), (200, 300, 300)]
-  assert attention.causal_query_blocks(512) == [(s, s + 128, s + 128) for s in range(0, 512, 128)]
-  assert attention.causal_query_blocks(4096) == [(s, s + 512, s + 512) for s in range(0, 4096, 512)]
+  assert dense.causal_query_blocks(100) == [(0, 100, 100)]
+  assert dense.causal_query_blocks(300) == [(0, 100, 100), (100, 200, 200), (200, 300, 300)]
+  assert dense.causal_query_blocks(512) == [(s, s + 128, s + 128) for s in range(0, 512, 128)]
+  assert dense.causal_query_blocks(4096) == [(s, s + 512, s + 512) for s in range(0, 4096, 512)]
 
 
 def test_dense_causal_blocks_give_the_unsplit_gradients(monkeypatch):
@@ -158,14 +127,19 @@ def test_dense_causal_blocks_give_the_unsplit_gradients(monkeypatch):
   def grads():
     def loss(q, k, v):
       o = attention.dense_attention(
-        q, k, v, pos, pos, qseg_BL=seg, kseg_BS=seg, causal=True, bias_fn=_position_bias
+        q,
+        k,
+        v,
+        pos,
+        pos,
+        AttentionCall(qseg_BL=seg, kseg_BS=seg, causal=True, bias_fn=_position_bias),
       )
       return jnp.sum(jnp.sin(o))
 
     return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
   want = grads()  # L = 37: one block
-  monkeypatch.setattr(attention, "CAUSAL_QUERY_BLOCK", 8)  # 5 blocks
+  monkeypatch.setattr(dense, "CAUSAL_QUERY_BLOCK", 8)  # 5 blocks
   for g, w in zip(grads(), want, strict=True):
     np.testing.assert_allclose(g, w, atol=1e-5)
 
@@ -174,15 +148,15 @@ def test_dense_causal_blocks_skip_later_keys_by_index(monkeypatch):
   # Positions that run backwards break the contract (they advance within a segment): by
   # position, query 0 (the highest) may see every key; by block it sees keys [0, 3) only. The
   # outputs differ, which shows the later keys are really skipped.
-  monkeypatch.setattr(attention, "CAUSAL_QUERY_BLOCK", 3)
+  monkeypatch.setattr(dense, "CAUSAL_QUERY_BLOCK", 3)
   q, k, v = _qkv(length=9)
   pos = jnp.broadcast_to(jnp.arange(9)[::-1], (B, 9))
-  got = attention.dense_attention(q, k, v, pos, pos, causal=True)
+  got = attention.dense_attention(q, k, v, pos, pos, AttentionCall(causal=True))
   q3, k3, v3, pos3 = q[:, :3], k[:, :3], v[:, :3], pos[:, :3]
-  first = attention.dense_attention(q3, k3, v3, pos3, pos3, causal=True)
+  first = attention.dense_attention(q3, k3, v3, pos3, pos3, AttentionCall(causal=True))
   np.testing.assert_allclose(got[:, :3], first, atol=1e-6)
-  monkeypatch.setattr(attention, "CAUSAL_QUERY_BLOCK", 9)  # one block: every key by position
-  unsplit = attention.dense_attention(q, k, v, pos, pos, causal=True)
+  monkeypatch.setattr(dense, "CAUSAL_QUERY_BLOCK", 9)  # one block: every key by position
+  unsplit = attention.dense_attention(q, k, v, pos, pos, AttentionCall(causal=True))
   assert np.abs(unsplit[:, :3] - first).max() > 1e-2
 
 
@@ -278,7 +252,7 @@ def test_auto_picks_dense_for_short_and_chunked_for_long_inputs(monkeypatch):
   pos = _positions()
 
   def auto(q, block):
-    return attention.auto_attention(q, k, v, pos, pos, causal=True, block=block)
+    return attention.auto_attention(q, k, v, pos, pos, AttentionCall(causal=True, block=block))
 
   assert "scan" not in str(jax.make_jaxpr(auto, static_argnums=1)(q, 8))  # cpu_flash
   assert "ffi_call" in str(jax.make_jaxpr(auto, static_argnums=1)(q, 8))
@@ -299,8 +273,10 @@ def test_attention_dropout_scales_kept_probabilities_and_keeps_denominator(kerne
   @jax.jit
   def run(key):
     kwargs = dict(causal=True, block=BLOCK)
-    probs = attention.dense_attention(q, k, v, pos, pos, **kwargs)
-    return probs, kernel(q, k, v, pos, pos, dropout_rate=rate, dropout_key=key, **kwargs)
+    probs = attention.dense_attention(q, k, v, pos, pos, AttentionCall(**kwargs))
+    return probs, kernel(
+      q, k, v, pos, pos, AttentionCall(dropout_rate=rate, dropout_key=key, **kwargs)
+    )
 
   probs, dropped = run(jax.random.key(5))
   kept, allowed = dropped != 0, probs != 0
@@ -334,7 +310,9 @@ def test_chunked_gradient_memory_is_far_below_one_score_matrix():
   pos = jnp.broadcast_to(jnp.arange(length), (B, length))
 
   def loss(q, k, v):
-    return attention.chunked_attention(q, k, v, pos, pos, causal=True, block=block).sum()
+    return attention.chunked_attention(
+      q, k, v, pos, pos, AttentionCall(causal=True, block=block)
+    ).sum()
 
   compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).compile()
   scores_bytes = B * H * length * length * 4
@@ -392,18 +370,27 @@ def test_causal_blocks_without_segments_mask_only_their_diagonal_and_give_unspli
         return w[None, :, None, None] * _position_bias(qpos, kpos)
 
       o = attention.dense_attention(
-        q, k, v, pos, pos, causal=True, bias_fn=bias_fn if with_bias else None,
-        sink_H=sink if with_sink else None, key_bias_BSH=key_bias,
-      )  # fmt: skip
+        q,
+        k,
+        v,
+        pos,
+        pos,
+        AttentionCall(
+          causal=True,
+          bias_fn=bias_fn if with_bias else None,
+          sink_H=sink if with_sink else None,
+          key_bias_BSH=key_bias,
+        ),
+      )
       return jnp.sum(jnp.sin(o) * out_w)
 
     return jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))(q, k, v, w, sink)
 
   want_loss, want = grads()  # one block
-  monkeypatch.setattr(attention, "CAUSAL_QUERY_BLOCK", 8)  # 5 blocks
+  monkeypatch.setattr(dense, "CAUSAL_QUERY_BLOCK", 8)  # 5 blocks
   pair_calls = []
   monkeypatch.setattr(
-    attention, "attend_pairs", lambda *a: pair_calls.append(1) or block_pairs.attend_pairs(*a)
+    dense, "attend_pairs", lambda *a: pair_calls.append(1) or block_pairs.attend_pairs(*a)
   )
   got_loss, got = grads()
   assert bool(pair_calls) == (length % 5 == 0)
@@ -415,7 +402,7 @@ def test_causal_blocks_without_segments_mask_only_their_diagonal_and_give_unspli
   def allow_all(qpos_BT, kpos_BE, *args, **kwargs):
     return jnp.ones(qpos_BT.shape + kpos_BE.shape[1:], bool)
 
-  monkeypatch.setattr(attention, "attention_mask", allow_all)
+  monkeypatch.setattr(dense, "attention_mask", allow_all)
   assert abs(grads()[0] - want_loss) > 1e-2
 
 
@@ -424,4 +411,4 @@ def test_masked_rewrites_only_the_last_keys():
   mask = jnp.asarray(np.random.default_rng(34).random((B, 4, 3)) < 0.5)
   got = blocks.masked(s, mask)
   full = jnp.concatenate([jnp.ones((B, 4, 4), bool), mask], axis=-1)
-  np.testing.assert_array_equal(got, jnp.where(full[:, None, None], s, attention.NEG))
+  np.testing.assert_array_equal(got, jnp.where(full[:, None, None], s, NEG))

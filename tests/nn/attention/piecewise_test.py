@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 from roformer.nn.attention import kernels
+from roformer.nn.attention.call import AttentionCall
 from roformer.nn.attention.softmax import Attention
 from roformer.posenc import make_posenc
 from roformer.posenc.config import ContextExtension, PosEncConfig, RopeScaling
@@ -78,9 +79,18 @@ def _run(kernel, ext, q, k, v, pos):
   posenc = _posenc(ext)
   state = posenc.prepare(pos)
   return kernel(
-    q, k, v, pos, pos, causal=True, block=BLOCK, pieces_fn=posenc.position_pieces,
-    rotate_fn=lambda q, k, qp, kp: posenc.rotate(q, k, qp, kp, state),
-  )  # fmt: skip
+    q,
+    k,
+    v,
+    pos,
+    pos,
+    AttentionCall(
+      causal=True,
+      block=BLOCK,
+      pieces_fn=posenc.position_pieces,
+      rotate_fn=lambda q, k, qp, kp: posenc.rotate(q, k, qp, kp, state),
+    ),
+  )
 
 
 @pytest.mark.parametrize("ext", EXTENSIONS, ids=lambda e: e.kind)
@@ -106,7 +116,7 @@ def test_piecewise_dense_causal_query_blocks_equal_one_span():
   ext = ContextExtension("self_extend", window=16, group=4)
   q, k, v = _normal((1, n, H, K), 6), _normal((1, n, G, K), 7), _normal((1, n, G, K), 8)
   pos = jnp.arange(n)[None, :]
-  assert len(kernels.causal_query_blocks(n)) > 1
+  assert len(kernels.dense.causal_query_blocks(n)) > 1
   dense = _run(kernels.dense_attention, ext, q, k, v, pos)
   chunked = _run(kernels.chunked_attention, ext, q, k, v, pos)
   np.testing.assert_allclose(np.asarray(chunked), np.asarray(dense), atol=1e-5, rtol=0)
@@ -118,7 +128,7 @@ def test_self_extend_with_window_beyond_the_length_is_plain_rope():
   pos = _positions()
   posenc = _posenc(ContextExtension("self_extend", window=L, group=4))
   qr, kr = posenc.rotate(q, k, pos, pos)
-  plain = kernels.dense_attention(qr, kr, v, pos, pos, causal=True)
+  plain = kernels.dense_attention(qr, kr, v, pos, pos, AttentionCall(causal=True))
   extended = _run(
     kernels.dense_attention, ContextExtension("self_extend", window=L, group=4), q, k, v, pos
   )
@@ -149,9 +159,11 @@ def test_piecewise_uses_the_pass_rotary_state():
         v,
         pos,
         pos,
-        causal=True,
-        pieces_fn=posenc.position_pieces,
-        rotate_fn=lambda q, k, qp, kp, p=posenc, s=state: p.rotate(q, k, qp, kp, s),
+        AttentionCall(
+          causal=True,
+          pieces_fn=posenc.position_pieces,
+          rotate_fn=lambda q, k, qp, kp, p=posenc, s=state: p.rotate(q, k, qp, kp, s),
+        ),
       )  # fmt: skip
     )
   assert np.abs(np.asarray(outs[0]) - np.asarray(outs[1])).max() > 1e-4

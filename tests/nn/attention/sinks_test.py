@@ -12,6 +12,7 @@ from flax import nnx
 
 from roformer import testing
 from roformer.nn.attention import kernels, sinks
+from roformer.nn.attention.call import AttentionCall
 
 B, L, H, G, K = 2, 21, 4, 2, 8
 BLOCK = 4  # L = 21: six query blocks, the last one shifted; window 3 takes the banded path
@@ -70,7 +71,9 @@ def test_one_query_two_keys_by_hand():
   e = math.e
   want = (3 * e**2 + 5 * e**-2) / (2 + e**2 + e**-2)
   for impl in ("dense", "chunked"):
-    got = kernels.KERNELS[impl](q, k, v, qpos, kpos, sink_H=jnp.asarray([math.log(2.0)]), block=1)
+    got = kernels.KERNELS[impl](
+      q, k, v, qpos, kpos, AttentionCall(sink_H=jnp.asarray([math.log(2.0)]), block=1)
+    )
     np.testing.assert_allclose(float(got[0, 0, 0, 0]), want, rtol=1e-6)
 
 
@@ -82,10 +85,10 @@ def test_every_kernel_matches_the_formula_by_hand(window, monkeypatch):
   kwargs = dict(qseg_BL=seg, kseg_BS=seg, causal=True, window=window, bias_fn=_position_bias,
                 block=BLOCK, sink_H=sink)  # fmt: skip
   for impl in ("dense", "chunked"):
-    got = kernels.KERNELS[impl](q, k, v, pos, pos, **kwargs)
+    got = kernels.KERNELS[impl](q, k, v, pos, pos, AttentionCall(**kwargs))
     np.testing.assert_allclose(got, want, atol=1e-5, err_msg=impl)
-  monkeypatch.setattr(kernels, "CAUSAL_QUERY_BLOCK", 8)  # the dense kernel in 3 query blocks
-  got = kernels.dense_attention(q, k, v, pos, pos, **kwargs)
+  monkeypatch.setattr(kernels.dense, "CAUSAL_QUERY_BLOCK", 8)  # the dense kernel in 3 query blocks
+  got = kernels.dense_attention(q, k, v, pos, pos, AttentionCall(**kwargs))
   np.testing.assert_allclose(got, want, atol=1e-5)
 
 
@@ -117,12 +120,15 @@ def _grads(attend, q, k, v, sink):
 @pytest.mark.parametrize("query_block", [0, 8])  # 8: the dense kernel in 3 query blocks
 def test_dense_gradients_equal_autodiff_of_the_reference(query_block, monkeypatch):
   if query_block:
-    monkeypatch.setattr(kernels, "CAUSAL_QUERY_BLOCK", query_block)
+    monkeypatch.setattr(kernels.dense, "CAUSAL_QUERY_BLOCK", query_block)
   q, k, v, sink = _inputs()
   pos, seg = _positions(), _segments()
   kwargs = dict(qseg_BL=seg, kseg_BS=seg, causal=True, bias_fn=_position_bias)
-  got = _grads(lambda *a: kernels.dense_attention(*a[:3], pos, pos, sink_H=a[3], **kwargs),
-               q, k, v, sink)  # fmt: skip
+
+  def attend(q, k, v, sink):
+    return kernels.dense_attention(q, k, v, pos, pos, AttentionCall(sink_H=sink, **kwargs))
+
+  got = _grads(attend, q, k, v, sink)
   want = _grads(lambda *a: _reference(*a[:3], pos, seg, a[3]), q, k, v, sink)
   for name, g, w in zip("q k v sink".split(), got, want, strict=True):
     np.testing.assert_allclose(g, w, atol=1e-5, err_msg=name)
@@ -137,9 +143,13 @@ def test_sink_gradient_is_minus_p_sink_times_do_dot_o():
 
   def attend(sink):
     return kernels.dense_attention(
-      q, k, v, pos, pos, qseg_BL=seg, kseg_BS=seg, causal=True, bias_fn=_position_bias,
-      sink_H=sink,
-    )  # fmt: skip
+      q,
+      k,
+      v,
+      pos,
+      pos,
+      AttentionCall(qseg_BL=seg, kseg_BS=seg, causal=True, bias_fn=_position_bias, sink_H=sink),
+    )
 
   got = jax.grad(lambda s: jnp.sum(w * attend(s)))(sink)
   o = np.asarray(attend(sink), np.float64)
@@ -164,7 +174,9 @@ def test_blockwise_kernels_equal_dense_forward_and_gradients(window):
   def kernel(impl):
     kwargs = dict(qseg_BL=seg, kseg_BS=seg, causal=True, window=window, bias_fn=_position_bias,
                   block=BLOCK)  # fmt: skip
-    return lambda q, k, v, s: kernels.KERNELS[impl](q, k, v, pos, pos, sink_H=s, **kwargs)
+    return lambda q, k, v, s: kernels.KERNELS[impl](
+      q, k, v, pos, pos, AttentionCall(sink_H=s, **kwargs)
+    )
 
   np.testing.assert_allclose(kernel("chunked")(q, k, v, sink), kernel("dense")(q, k, v, sink),
                              atol=1e-5)  # fmt: skip
@@ -182,9 +194,22 @@ def test_dropout_path_keeps_the_sink(impl):
   q, k, v, sink = _inputs()
   pos, seg = _positions(), _segments()
   got = kernels.KERNELS[impl](
-    q, k, v, pos, pos, qseg_BL=seg, kseg_BS=seg, causal=True, bias_fn=_position_bias,
-    block=BLOCK, sink_H=sink, dropout_rate=1e-7, dropout_key=jax.random.PRNGKey(0),
-  )  # fmt: skip
+    q,
+    k,
+    v,
+    pos,
+    pos,
+    AttentionCall(
+      qseg_BL=seg,
+      kseg_BS=seg,
+      causal=True,
+      bias_fn=_position_bias,
+      block=BLOCK,
+      sink_H=sink,
+      dropout_rate=1e-7,
+      dropout_key=jax.random.PRNGKey(0),
+    ),
+  )
   np.testing.assert_allclose(got, _by_hand(q, k, v, sink, pos, seg, 0), atol=1e-5)
 
 
@@ -196,7 +221,7 @@ def test_a_minus_infinity_like_sink_is_no_sink_and_a_large_one_empties_the_outpu
                 block=BLOCK)  # fmt: skip
 
   def run(sink, q=q, k=k, v=v):
-    return kernels.KERNELS[impl](q, k, v, pos, pos, sink_H=sink, **kwargs)
+    return kernels.KERNELS[impl](q, k, v, pos, pos, AttentionCall(sink_H=sink, **kwargs))
 
   def grads(sink):  # of q, k and v, the sink held fixed
     return _grads(lambda q, k, v, _: run(sink, q, k, v), q, k, v, jnp.zeros((H,)))[:3]
@@ -218,7 +243,9 @@ def test_a_query_with_no_visible_key_gives_zeros_and_no_sink_gradient(impl):
   qpos, kpos = jnp.asarray([[0, 5]]), jnp.asarray([[3, 6, 9]])
 
   def attend(sink):
-    return kernels.KERNELS[impl](q, k, v, qpos, kpos, causal=True, block=2, sink_H=sink)
+    return kernels.KERNELS[impl](
+      q, k, v, qpos, kpos, AttentionCall(causal=True, block=2, sink_H=sink)
+    )
 
   o = attend(sink)
   np.testing.assert_array_equal(o[0, 0], 0.0)

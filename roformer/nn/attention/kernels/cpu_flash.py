@@ -17,7 +17,7 @@ head dim (q, k and v padded with zero columns to a multiple of 16, exact). Its m
 index, which equals the position mask when positions increase along the sequence, as the
 dense kernel's causal blocks assume. Everything else (biases, segments, windows, sinks,
 dropout, piecewise positions, other dtypes) is refused with the reason (`misfit`), and `auto`
-then falls back. Under a mesh of several devices it runs per shard (`fused._shard`).
+then falls back. Under a mesh of several devices it runs per shard (`sharding.shard`).
 """
 
 from __future__ import annotations
@@ -38,10 +38,13 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from roformer.nn.attention import fused
+from roformer.nn.attention.call import AttentionCall, Features
+from roformer.nn.attention.kernels import base, padding, sharding
+from roformer.nn.attention.kernels.base import Kernel, needs_logits, refuse, register_kernel
 from roformer.nn.attention.primitives import check_ranks
 
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_flash.cc")
+# The source sits beside the attention package's modules (package data, pyproject.toml).
+SOURCE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "cpu_flash.cc")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
 # Query rows per unit of work: the padding granularity of the sequence (a multiple of 16).
 BLOCK = 64
@@ -129,27 +132,23 @@ def unavailable() -> str | None:
   return None
 
 
-def misfit(q_BLHK, k_BSGK, v_BSGV, qpos_BL, kpos_BS, kwargs, platform_: str) -> str | None:
-  """Why this call does not fit `cpu_flash`, or None when it does (the build aside)."""
-  if platform_ != "cpu":
-    return f"it runs on a CPU, not on {platform_}"
-  if not kwargs.get("causal", False):
+def misfit(f: Features) -> str | None:
+  """Why a call does not fit `cpu_flash`, or None when it does (the build aside; the platform,
+  the lengths and the dtype where known)."""
+  if f.platform not in (None, "cpu"):
+    return f"it runs on a CPU, not on {f.platform}"
+  if not f.causal:
     return "it runs causal attention only"
-  L, S = q_BLHK.shape[1], k_BSGK.shape[1]
-  if L != S:
-    return f"it runs self-attention; got L={L}, S={S}"
-  dtypes = {jnp.dtype(x.dtype).name for x in (q_BLHK, k_BSGK, v_BSGV)}
-  if dtypes != {"float32"}:
-    return f"it runs float32, not {'/'.join(sorted(dtypes))} (model.dtype)"
-  features = fused._features(kwargs, fused.probe_bias(kwargs, qpos_BL, kpos_BS)[0])
-  features["segments"] |= kwargs.get("kseg_BS") is not None
-  reason = fused.fused_misfit("cpu_flash", **features)
-  if reason is not None:
+  if f.key_length and f.key_length != f.length:
+    return f"it runs self-attention; got L={f.length}, S={f.key_length}"
+  if f.dtype and f.dtype != "float32":
+    return f"it runs float32, not {f.dtype} (model.dtype)"
+  if reason := needs_logits(f):
     return reason
-  if features["bias"]:
+  if f.bias:
     return "it adds no logit bias"
   others = [name for name in ("sinks", "key_bias", "segments", "window", "global_tokens")
-            if features[name]]  # fmt: skip
+            if getattr(f, name)]  # fmt: skip
   if others:
     return f"it has no {', '.join(others)}"
   return None
@@ -189,14 +188,12 @@ def _attend_bwd(scale, residuals, do_BPHW):
 _attend.defvjp(_attend_fwd, _attend_bwd)
 
 
-def cpu_flash_attention(q_BLHK, k_BSGK, v_BSGV, qpos_BL, kpos_BS, **kwargs):
+def cpu_flash_attention(q_BLHK, k_BSGK, v_BSGV, qpos_BL, kpos_BS, call: AttentionCall):
   """Causal self-attention through the fused CPU kernel; args and returns as
-  `kernels.dense_attention` (`block` is the XLA kernels' and is ignored). Raises ValueError when
+  `dense_attention` (`call.block` is the XLA kernels' and is ignored). Raises ValueError when
   the call does not fit the kernel (`misfit`) and RuntimeError when it cannot be built."""
   check_ranks(q_BLHK, k_BSGK, v_BSGV, qpos_BL, kpos_BS)
-  fused._refuse(
-    "cpu_flash", misfit(q_BLHK, k_BSGK, v_BSGV, qpos_BL, kpos_BS, kwargs, fused.target_platform())
-  )
+  refuse("cpu_flash", misfit(base.features(q_BLHK, k_BSGK, v_BSGV, qpos_BL, kpos_BS, call)))
   if (reason := unavailable()) is not None:
     raise RuntimeError(f"model.attention_impl='cpu_flash' cannot run: {reason}")
   return attend(q_BLHK, k_BSGK, v_BSGV)
@@ -207,14 +204,20 @@ def attend(q_BLHK, k_BSGK, v_BSGV):
   `auto` runs after its own checks."""
   B, L, H, K = q_BLHK.shape
   G, V = k_BSGK.shape[2], v_BSGV.shape[3]
-  P, W = fused._round_up(L, BLOCK), fused._round_up(max(K, V), 16)
+  P, W = padding.round_up(L, BLOCK), padding.round_up(max(K, V), 16)
   # Zero columns add nothing to q.k and give zero output columns; keys after the last query are
   # never attended to by a real query, and padded queries' rows are cut (zero gradient).
-  q, k, v = (fused._pad_axis(fused._pad_axis(x, 3, W), 1, P) for x in (q_BLHK, k_BSGK, v_BSGV))
+  pad = padding.pad_axis
+  q, k, v = (pad(pad(x, 3, W), 1, P) for x in (q_BLHK, k_BSGK, v_BSGV))
   scale = 1.0 / math.sqrt(K)
-  o_BPHW = fused._shard(
+  o_BPHW = sharding.shard(
     lambda q, k, v: _attend(q, k, v, scale),
-    fused._mesh_specs(B, G),
+    sharding.mesh_specs(B, G),
     ((q, ("B", None, "H", None)), (k, ("B", None, "H", None)), (v, ("B", None, "H", None))),
   )
   return o_BPHW[:, :L, :, :V]
+
+
+KERNEL = register_kernel(
+  Kernel("cpu_flash", "cpu", misfit, cpu_flash_attention, unavailable=lambda: unavailable())
+)
