@@ -183,6 +183,7 @@ from roformer.infra.sharding import make_mesh
 from roformer.nn.attention import kernels
 from roformer.nn.attention.kernels import cpu_flash
 from roformer.nn.attention.call import AttentionCall
+CAUSAL = AttentionCall(causal=True)
 mesh = make_mesh(MeshConfig(data=2, fsdp=1, tensor=2))
 r = np.random.default_rng(0)
 q, k, v, w = (jnp.asarray(r.standard_normal(s), jnp.float32)
