@@ -1,10 +1,11 @@
 """Every registered kernel against the naive oracle (`oracle.reference_attention`), forward and
-gradients, over one matrix built from the registries: every encoding of `POSENCS` under masks
-(causal, bidirectional, packing, windows of each kind, global tokens), GQA and MQA, sinks, FoX's
-key bias and bfloat16, each case kept for the kernels whose `misfit` admits it. A kernel runs
-natively where its platform is this one (cpu_flash where it builds), else through its emulation
-(splash and flash_bias in interpret mode, cudnn through XLA's implementation). A kernel added
-with `register_kernel` gets these cases without a line here."""
+gradients, over one matrix built from the registries: every encoding of `POSENCS` under the causal
+call, and one encoding of each hook family (`FAMILIES`) under every variant of the call (causal,
+bidirectional, packing, windows of each kind, global tokens, GQA and MQA, sinks, FoX's key bias,
+bfloat16), each case kept for the kernels whose `misfit` admits it. A kernel runs natively where
+its platform is this one (cpu_flash where it builds), else through its emulation (splash and
+flash_bias in interpret mode, cudnn through XLA's implementation). A kernel added with
+`register_kernel` gets these cases without a line here."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from flax import nnx
 
 from roformer.nn.attention import kernels
 from roformer.nn.attention.call import AttentionCall, Features
-from roformer.nn.attention.kernels import KERNELS, Kernel, register_kernel
+from roformer.nn.attention.kernels import KERNELS, Kernel, base, refuse, register_kernel
 from roformer.nn.attention.oracle import reference_attention
 from roformer.posenc import POSENCS, make_posenc
 from roformer.posenc.config import PosEncConfig
@@ -64,10 +65,20 @@ VARIANTS = {
   "causal sinks + key bias, MQA": Variant(sinks=True, key_bias=True, groups=1),
   "causal bfloat16": Variant(dtype="bfloat16"),
 }
-# The fast suite: every encoding under FAST_VARIANTS, and every variant under FAST_ENCODINGS;
-# the slow suite adds the rest of the product.
-FAST_VARIANTS = ("causal",)
+# Every variant runs for one encoding of each way an encoding reaches the logits, so each kernel
+# path an encoding selects meets every mask and extra term: rotated q and k (RoPE), a bias with
+# no factors (T5: flash_bias's dense bias, the bias blocks of dense and chunked), a bias of the
+# key alone, growing with the position (causal ALiBi: folded per head into keys repeated over
+# GQA groups, in three pieces in bfloat16), a bias of query and key factors in both directions
+# (Sandwich), a content bias (CoPE: dense only). Every encoding runs under `ALL_ENCODINGS_VARIANT`.
+FAMILIES = ("rope", "t5", "alibi", "sandwich", "cope")
+ALL_ENCODINGS_VARIANT = "causal"
+# The fast suite: every encoding under the causal variant, and every variant under RoPE; the slow
+# suite adds the other families' variants.
 FAST_ENCODINGS = ("rope",)
+# Kernels that run another registered kernel (`auto` runs the one it picks, whose own cases check
+# it over the whole matrix) take the fast suite's cases: their choice across encodings and variants.
+DISPATCHERS = ("auto",)
 
 
 def _runner(kernel: Kernel, platform: str):
@@ -104,10 +115,15 @@ def _features(kind: str, variant: Variant, platform: str | None) -> Features:
   )
 
 
+def in_matrix(kind: str, label: str) -> bool:
+  """Whether the matrix holds this encoding under this variant (before each kernel's misfit)."""
+  return label == ALL_ENCODINGS_VARIANT or kind in FAMILIES
+
+
 def conformance_cases(platform: str | None = None):
-  """(kernel name, encoding, variant name, slow) for every registered kernel, every encoding and
-  every variant the kernel's `misfit` admits (bidirectional ones only for encodings that allow
-  them); `slow` outside the fast suite's slice."""
+  """(kernel name, encoding, variant name, slow) for every registered kernel and every case of
+  the matrix (`in_matrix`) the kernel's `misfit` admits (bidirectional ones only for encodings
+  that allow them; only the fast suite's for `DISPATCHERS`); `slow` outside the fast suite."""
   platform = platform or jax.default_backend()
   cases = []
   for name, kernel in KERNELS.items():
@@ -116,13 +132,14 @@ def conformance_cases(platform: str | None = None):
       continue
     for kind, cls in POSENCS.items():
       for label, variant in VARIANTS.items():
-        if cls.causal_only and not variant.causal:
+        if not in_matrix(kind, label) or (cls.causal_only and not variant.causal):
           continue
         features = _features(kind, variant, run[1])
         if kernel.misfit(features if run[1] else features.portable()) is not None:
           continue
-        slow = label not in FAST_VARIANTS and kind not in FAST_ENCODINGS
-        cases.append((name, kind, label, slow))
+        slow = label != ALL_ENCODINGS_VARIANT and kind not in FAST_ENCODINGS
+        if not (slow and name in DISPATCHERS):
+          cases.append((name, kind, label, slow))
   return cases
 
 
@@ -195,14 +212,19 @@ def check_case(name: str, kind: str, label: str, *, kernel: Kernel | None = None
   run = _runner(kernel, jax.default_backend())
   if kernel.platform == jax.default_backend() and (reason := kernel.unavailable()) is not None:
     pytest.skip(reason)
-  variant = VARIANTS[label]
-  args, cotangent = _inputs(kind, variant)
-  got = _outputs_and_grads(run[0], *args, cotangent)
-  want = _outputs_and_grads(reference_attention, *args, cotangent)
-  got, want = ([x.astype(jnp.float32) for x in xs] for xs in (got, want))
+  args, cotangent = _inputs(kind, VARIANTS[label])
+  got = [x.astype(jnp.float32) for x in _outputs_and_grads(run[0], *args, cotangent)]
+  want = _oracle(kind, label)
   err = max(float(jnp.abs(a - b).max()) for a, b in zip(got, want, strict=True))
   scale = max(float(jnp.abs(b).max()) for b in want)
-  return err, scale, TOL[variant.dtype]
+  return err, scale, TOL[VARIANTS[label].dtype]
+
+
+@functools.cache
+def _oracle(kind: str, label: str):
+  """The oracle's output and gradients of a case in float32, computed once for every kernel."""
+  args, cotangent = _inputs(kind, VARIANTS[label])
+  return [x.astype(jnp.float32) for x in _outputs_and_grads(reference_attention, *args, cotangent)]
 
 
 @pytest.mark.parametrize(("name", "kind", "label"), _params(conformance_cases()))
@@ -217,6 +239,24 @@ def test_every_registered_kernel_and_encoding_has_cases():
   assert {kind for _, kind, *_ in cases} == set(POSENCS)
   for name in KERNELS:  # every kernel runs the plainest case of an encoding it admits
     assert any(c[0] == name and c[2] == "causal" for c in cases), name
+
+
+def _logit_terms(cls) -> tuple:
+  """How an encoding reaches the logits: a bias, its factors (causal, bidirectional), a content
+  bias."""
+  factored = tuple(cls.has_bias_factors(causal=causal) for causal in (True, False))
+  return (cls.acts_on_logits(), *factored, cls.content_bias is not None)
+
+
+def test_every_way_an_encoding_reaches_the_logits_runs_every_variant():
+  """FAMILIES holds an encoding of each kind of logit term some registered encoding has."""
+  assert {_logit_terms(POSENCS[kind]) for kind in FAMILIES} == {
+    _logit_terms(cls) for cls in POSENCS.values()
+  }
+  cases = {c[1:3] for c in conformance_cases() if c[0] == "dense"}
+  for kind in FAMILIES:
+    labels = [label for label, v in VARIANTS.items() if v.causal or not POSENCS[kind].causal_only]
+    assert all((kind, label) in cases for label in labels), kind
 
 
 def test_the_oracle_catches_a_wrong_kernel():
@@ -236,13 +276,18 @@ def _toy(name, call):
 
 @pytest.fixture
 def toy_kernel():
-  """A kernel registered as a test file would register one (the oracle under another name,
-  refusing sinks), taken out of the registry afterwards."""
+  """A kernel registered as a test file or a user's module would register one (docs/extending.md,
+  "An attention kernel"): the oracle under another name, refusing sinks when a config is checked
+  and when it is called; taken out of the registry afterwards."""
 
-  def misfit(features):
-    return "it has no sinks" if features.sinks else None
+  def misfit(features: Features) -> str | None:
+    return "it has no sink logits" if features.sinks else None
 
-  toy = register_kernel(Kernel("toy", None, misfit, reference_attention))
+  def toy_attention(q_BLHK, k_BSGK, v_BSGV, qpos_BL, kpos_BS, call: AttentionCall):
+    refuse("toy", misfit(base.features(q_BLHK, k_BSGK, v_BSGV, qpos_BL, kpos_BS, call)))
+    return reference_attention(q_BLHK, k_BSGK, v_BSGV, qpos_BL, kpos_BS, call)
+
+  toy = register_kernel(Kernel("toy", None, misfit, toy_attention))
   yield toy
   del KERNELS[toy.name]
 
@@ -255,3 +300,6 @@ def test_a_kernel_registered_in_a_test_gets_every_case_of_the_matrix(toy_kernel)
   for kind in ("rope", "alibi", "t5"):  # and runs them (the oracle against itself: exact)
     err, _, _ = check_case(toy_kernel.name, kind, "causal packed")
     assert err == 0.0, kind
+  (q, k, v, pos, call), _ = _inputs("rope", VARIANTS["causal sinks"])
+  with pytest.raises(ValueError, match="attention_impl='toy' cannot run .*no sink logits"):
+    toy_kernel(q, k, v, pos, pos, call)
