@@ -27,14 +27,15 @@ def get_config(hf_dir: str = ""):
   from roformer import hf  # the config.json mapping of the importer, not a copy of it
 
   hf_dir = os.path.abspath(os.path.expanduser(hf_dir))
-  model = dataclasses.asdict(hf.hf_decoder_config(hf.read_hf_config(hf_dir)))
+  checkpoint = hf.hf_decoder_config(hf.read_hf_config(hf_dir))
+  model = {f.name: getattr(checkpoint, f.name) for f in dataclasses.fields(checkpoint)}
   tokenizer = os.path.join(hf_dir, "tokenizer.json")
   if not os.path.isfile(tokenizer):
     raise ValueError(
       f"{hf_dir} has no tokenizer.json: a fine-tune reads its text with the checkpoint's own "
       "tokenizer (save it with the model's tokenizer.save_pretrained)"
     )
-  posenc = model.pop("posenc")
+  posenc = model.pop("posenc").to_dict()  # every posenc field, the encodings' own included
   del model["vocab_size"]  # the checkpoint's, set by the training loop
   config = default.get_config()
   config.model.update(model)

@@ -42,7 +42,6 @@ from roformer.nn import config as nn_config
 from roformer.nn import model as model_lib
 from roformer.posenc import POSENCS
 from roformer.posenc.config import ContextExtension
-from roformer.posenc.layers import pattern_kinds
 
 
 def sample_next(
@@ -84,7 +83,8 @@ def _check(model, prompt_BP, max_new_tokens, temperature, top_k, top_p):
       "generate needs a causal decoder (model.kind='decoder'); an encoder (masked LM) predicts "
       "masked tokens from both sides and has no next-token distribution to sample"
     )
-  content = [k for k in pattern_kinds(model.cfg.posenc) if POSENCS[k].content_bias is not None]
+  kinds = dict.fromkeys(spec.posenc.kind for spec in model.cfg.layers)
+  content = [k for k in kinds if POSENCS[k].content_bias is not None]
   if content:
     raise ValueError(
       f"posenc.kind={content[0]!r} biases attention by queries and keys together "

@@ -70,6 +70,15 @@ def tiny_model_config(posenc="rope", posenc_fields=None, **fields):
   return dataclasses.replace(TINY_MODEL, posenc=pe, **fields)
 
 
+def attention_layer(*, seed: int = 0, **fields):
+  """The softmax attention of layer 0 of a decoder whose ModelConfig has `fields` (a layer is
+  built from its model config and LayerSpec, as a model builds it)."""
+  from roformer.nn.attention.softmax import Attention
+
+  cfg = ModelConfig(kind="decoder", **fields)
+  return Attention(cfg, cfg.layers[0], rngs=nnx.Rngs(seed))
+
+
 def random_model(cfg, seed=0):
   """make_model's structure with random values in every parameter (norms and biases included)."""
   graphdef, state = nnx.split(nnx.eval_shape(lambda: make_model(cfg, rngs=nnx.Rngs(0))))

@@ -12,10 +12,11 @@ from roformer.nn.attention.kernels import KERNELS
 from roformer.nn.attention.kinds import ATTENTIONS
 from roformer.nn.attention.primitives import WINDOW_KINDS
 from roformer.nn.attention.qk_norm import QK_NORMS
+from roformer.nn.layer_spec import LayerSpec, layer_specs
 from roformer.nn.layers import DTYPES
 from roformer.posenc import POSENCS, layer_configs, validate_posenc
 from roformer.posenc.config import PosEncConfig
-from roformer.posenc.layers import has_pattern, kind_list, parse_error, pattern_kinds
+from roformer.posenc.layers import has_pattern, int_list, kind_list, parse_error, pattern_kinds
 
 MODEL_KINDS = ("encoder", "decoder")  # masked LM, causal LM
 ACTIVATIONS = ("gelu", "swiglu")
@@ -86,8 +87,15 @@ class ModelConfig:
   posenc: PosEncConfig = PosEncConfig()
 
   def __post_init__(self):
-    # Validated once, when built: the library trusts a ModelConfig that exists.
+    # Validated once, when built: the library trusts a ModelConfig that exists. Its per-layer
+    # patterns are resolved then too, into `layers`.
     validate_model(self)
+    object.__setattr__(self, "_layers", layer_specs(self))
+
+  @property
+  def layers(self) -> tuple[LayerSpec, ...]:
+    """Every layer's LayerSpec (encoding, window, QK-norm), resolved once from the patterns."""
+    return self._layers
 
 
 def resolve_head_dim(cfg: ModelConfig) -> int:
@@ -103,14 +111,6 @@ def resolve_embed_scale(cfg: ModelConfig) -> str:
   if cfg.embed_scale == "auto":
     return POSENCS[cfg.posenc.kind].paper_embed_scale
   return cfg.embed_scale
-
-
-def layer_windows(cfg: ModelConfig) -> tuple[int, ...]:
-  """Each layer's sliding window: `attention_window_pattern` repeated over the layers, if set."""
-  if not cfg.attention_window_pattern:
-    return (cfg.attention_window,) * cfg.num_layers
-  pattern = [int(w) for w in cfg.attention_window_pattern.split(",")]
-  return tuple(pattern[i % len(pattern)] for i in range(cfg.num_layers))
 
 
 def _check_choice(field, value, allowed):
@@ -203,13 +203,12 @@ def validate_model(cfg: ModelConfig) -> None:
     cfg.posenc,
     causal=cfg.kind == "decoder",
     head_dim=attention.rotary_head_dim(cfg, resolve_head_dim(cfg)),
-    attention_impl=cfg.attention_impl,
   )
 
 
 def unsupported_length(cfg: ModelConfig, length: int) -> str | None:
   """Why the model of `cfg` cannot run sequences of `length` positions, or None."""
-  for layer in dict.fromkeys(layer_configs(cfg.posenc)):
+  for layer in dict.fromkeys(spec.posenc for spec in cfg.layers):
     if reason := POSENCS[layer.kind].unsupported_length(layer, length):
       return reason
   return None
@@ -270,13 +269,13 @@ def _check_forget_gate(cfg: ModelConfig) -> None:
 
 
 def _check_windows(cfg: ModelConfig) -> None:
-  if cfg.attention_window_pattern:
-    parts = cfg.attention_window_pattern.split(",")
-    if not all(p.strip().isdigit() for p in parts):
-      raise ValueError(
-        f"model.attention_window_pattern={cfg.attention_window_pattern!r} must be "
-        "comma-separated window sizes >= 0 (0 = global), e.g. '4096,0'"
-      )
+  try:
+    windows = int_list(cfg.attention_window_pattern) or (cfg.attention_window,)
+  except ValueError:
+    raise ValueError(
+      f"model.attention_window_pattern={cfg.attention_window_pattern!r} must be "
+      "comma-separated window sizes >= 0 (0 = global), e.g. '4096,0'"
+    ) from None
   if cfg.scan_layers and cfg.attention_window_pattern:
     raise ValueError(
       f"model.attention_window_pattern={cfg.attention_window_pattern!r} gives layers different "
@@ -292,7 +291,7 @@ def _check_windows(cfg: ModelConfig) -> None:
       f"model.global_tokens={cfg.global_tokens} is for encoders (model.kind='encoder'); "
       "use 0 for decoders"
     )
-  if cfg.global_tokens and not any(layer_windows(cfg)):
+  if cfg.global_tokens and not any(windows):
     raise ValueError(
       f"model.global_tokens={cfg.global_tokens} needs a sliding window "
       "(model.attention_window or model.attention_window_pattern): without one every token "

@@ -4,6 +4,7 @@ Dimension legend: B batch, L length, D model dim (emb_dim), E embedding dim (enc
 embedding_size), H heads, K head dim, F MLP dim, V vocab.
 """
 
+import dataclasses
 import math
 
 import jax
@@ -17,18 +18,18 @@ from roformer.nn.config import (
   MODEL_KINDS,
   REMAT_POLICIES,
   ModelConfig,
-  layer_windows,
   resolve_embed_scale,
   resolve_head_dim,
   resolve_num_kv_heads,
 )
+from roformer.nn.layer_spec import LayerSpec
 from roformer.nn.layers import DTYPES, stacked_dense, swiglu
 from roformer.nn.layers import embed as _embed
 from roformer.nn.layers import linear as _linear
 from roformer.nn.layers import norm as _norm
 from roformer.nn.layers import tokens as _tokens
 from roformer.nn.seqwise import fold, seqwise
-from roformer.posenc import POSENCS, PosEnc, layer_configs, make_posenc
+from roformer.posenc import POSENCS, PosEnc, make_posenc
 from roformer.posenc.layers import has_pattern
 
 
@@ -212,13 +213,10 @@ def _make_layers(cfg: ModelConfig, *, causal: bool, pre_norm: bool, rngs: nnx.Rn
 
   Stacked parameters get a leading [num_layers] axis that is never sharded (logical name None).
   """
+  # The model's kind decides causality (an Encoder built from a decoder's config stays one).
+  specs = [dataclasses.replace(spec, causal=causal) for spec in cfg.layers]
   if not cfg.scan_layers:
-    return nnx.List(
-      [
-        Block(cfg, causal=causal, pre_norm=pre_norm, window=w, layer=i, rngs=rngs)
-        for i, w in enumerate(layer_windows(cfg))
-      ]
-    )
+    return nnx.List([Block(cfg, spec, pre_norm=pre_norm, rngs=rngs) for spec in specs])
 
   @nnx.split_rngs(splits=cfg.num_layers)
   @nnx.vmap(
@@ -228,7 +226,8 @@ def _make_layers(cfg: ModelConfig, *, causal: bool, pre_norm: bool, rngs: nnx.Rn
     transform_metadata={nnx.PARTITION_NAME: None},
   )
   def stacked(rngs):
-    return Block(cfg, causal=causal, pre_norm=pre_norm, window=cfg.attention_window, rngs=rngs)
+    # Stacked layers are alike (a ModelConfig with scan_layers refuses per-layer patterns).
+    return Block(cfg, specs[0], pre_norm=pre_norm, rngs=rngs)
 
   return stacked(rngs)
 
@@ -294,33 +293,20 @@ class Block(nnx.Module):
   anyway and they have no wider intermediate.
   """
 
-  def __init__(
-    self, cfg: ModelConfig, *, causal: bool, pre_norm: bool, window: int = 0, layer: int = 0,
-    rngs: nnx.Rngs,
-  ):  # fmt: skip
+  def __init__(self, cfg: ModelConfig, spec: LayerSpec, *, pre_norm: bool, rngs: nnx.Rngs):
+    """Layer `spec.index` of the model `cfg`: its encoding, window and QK-norm are `spec`'s."""
     self.pre_norm = pre_norm
     self.parallel_residual = cfg.parallel_residual
     self.dropout_rate = cfg.dropout_rate
     self.seq_block = cfg.attention_block
     self.attn_norm = _norm(cfg, cfg.emb_dim, rngs)
-    self.attn = make_attention(
-      cfg,
-      head_dim=resolve_head_dim(cfg),
-      num_kv_heads=resolve_num_kv_heads(cfg),
-      causal=causal,
-      window=window,
-      layer=layer,
-      dtype=DTYPES[cfg.dtype],
-      param_dtype=DTYPES[cfg.param_dtype],
-      rngs=rngs,
-    )
+    self.attn = make_attention(cfg, spec, rngs=rngs)
     self.mlp_norm = _norm(cfg, cfg.emb_dim, rngs)
     self.mlp = Mlp(cfg, rngs=rngs)
     # An encoding with parameters per layer (CoPE, FIRE): this layer's own instance.
-    layer_cfg = layer_configs(cfg.posenc, cfg.num_layers)[layer]
     self.posenc = (
-      _posenc(cfg, cfg.emb_dim, causal=causal, rngs=rngs, posenc_cfg=layer_cfg)
-      if POSENCS[layer_cfg.kind].per_layer(layer_cfg)
+      _posenc(cfg, cfg.emb_dim, causal=spec.causal, rngs=rngs, posenc_cfg=spec.posenc)
+      if POSENCS[spec.posenc.kind].per_layer(spec.posenc)
       else None
     )
 

@@ -65,7 +65,6 @@ def validate_posenc(
   *,
   causal: bool,
   head_dim: int,
-  attention_impl: str = "auto",
 ) -> None:
   """Raises ValueError, naming the config field and its allowed values, for a bad posenc config.
 
@@ -73,7 +72,6 @@ def validate_posenc(
     cfg: the positional-encoding config.
     causal: True for a decoder, False for an encoder.
     head_dim: the model's per-head dim (model.head_dim after its default is resolved).
-    attention_impl: the model's kernel (an encoding with a content bias needs dense or auto).
   """
   if cfg.kind not in POSENCS:
     raise UnknownEncodingError(unknown_kind_message(cfg.kind))
@@ -89,7 +87,7 @@ def validate_posenc(
         f"layers {sorted(kinds)} and needs a posenc.query_scale other than 'none'"
       )
   if has_pattern(cfg):
-    _validate_pattern(cfg, causal=causal, head_dim=head_dim, attention_impl=attention_impl)
+    _validate_pattern(cfg, causal=causal, head_dim=head_dim)
     return
   if cfg.rope_layout not in ROPE_LAYOUTS:
     raise ValueError(f"posenc.rope_layout={cfg.rope_layout!r} is not one of {ROPE_LAYOUTS}")
@@ -119,11 +117,6 @@ def validate_posenc(
     raise ValueError(
       f"posenc.randomize_max={cfg.randomize_max} randomizes the token positions, which "
       f"posenc.kind={cfg.kind!r} never reads (training would be unchanged); set it to 0"
-    )
-  if cls.content_bias is not None and attention_impl == "chunked":
-    raise ValueError(
-      f"posenc.kind={cfg.kind!r} adds a content-dependent bias that only the dense kernel "
-      "computes; set model.attention_impl to 'dense' or 'auto' (auto uses dense for it)"
     )
   if cls.causal_only and not causal:
     encoder_kinds = tuple(k for k, c in POSENCS.items() if not c.causal_only)
@@ -163,7 +156,7 @@ def layer_configs(cfg: PosEncConfig, num_layers: int | None = None) -> tuple[Pos
   return tuple(layer_config(cfg, i, accepts_rope_scaling=accepts) for i in range(n))
 
 
-def _validate_pattern(cfg: PosEncConfig, *, causal: bool, head_dim: int, attention_impl: str):
+def _validate_pattern(cfg: PosEncConfig, *, causal: bool, head_dim: int):
   """`validate_posenc` of a per-layer pattern (its syntax already checked), then every layer."""
   kinds = pattern_kinds(cfg)
   absolute = sorted({k for k in kinds if POSENCS[k].embed is not PosEnc.embed})
@@ -195,7 +188,7 @@ def _validate_pattern(cfg: PosEncConfig, *, causal: bool, head_dim: int, attenti
   for layer in set(layer_configs(cfg)):
     if not POSENCS[layer.kind].reads_positions:
       layer = dataclasses.replace(layer, randomize_max=0)
-    validate_posenc(layer, causal=causal, head_dim=head_dim, attention_impl=attention_impl)
+    validate_posenc(layer, causal=causal, head_dim=head_dim)
 
 
 def make_posenc(

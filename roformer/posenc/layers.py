@@ -30,16 +30,12 @@ def has_pattern(cfg: PosEncConfig) -> bool:
 
 def pattern_kinds(cfg: PosEncConfig) -> tuple[str, ...]:
   """The kinds of `layer_pattern` in order ((kind,) without one)."""
-  if not cfg.layer_pattern:
-    return (cfg.kind,)
-  return tuple(k.strip() for k in cfg.layer_pattern.split(","))
+  return kind_list(cfg.layer_pattern) or (cfg.kind,)
 
 
 def pattern_bases(cfg: PosEncConfig) -> tuple[float, ...]:
   """The RoPE bases of `max_wavelength_pattern` in order ((max_wavelength,) without one)."""
-  if not cfg.max_wavelength_pattern:
-    return (cfg.max_wavelength,)
-  return tuple(float(b) for b in cfg.max_wavelength_pattern.split(","))
+  return tuple(float(b) for b in kind_list(cfg.max_wavelength_pattern)) or (cfg.max_wavelength,)
 
 
 def period(cfg: PosEncConfig) -> int:
@@ -79,6 +75,18 @@ def layer_config(cfg: PosEncConfig, i: int, *, accepts_rope_scaling=None) -> Pos
 def kind_list(kinds: str) -> tuple[str, ...]:
   """The kinds of a comma-separated list ("k1,k2" -> ("k1", "k2"); "" -> ())."""
   return tuple(k.strip() for k in kinds.split(",")) if kinds else ()
+
+
+def int_list(text: str) -> tuple[int, ...]:
+  """The integers >= 0 of a comma-separated list ("4096,0" -> (4096, 0); "" -> ()).
+
+  Raises:
+    ValueError: an entry is not a non-negative integer.
+  """
+  entries = kind_list(text)
+  if not all(e.isdigit() for e in entries):
+    raise ValueError(f"{text!r} is not a comma-separated list of integers >= 0")
+  return tuple(int(e) for e in entries)
 
 
 def parse_error(cfg: PosEncConfig, known_kinds) -> str | None:

@@ -1,6 +1,7 @@
 """The registry of attention kinds (`model.attention`): softmax, linear, multi-head latent.
 
-Every kind is a module built by `from_config` and used by the model's blocks the same way:
+Every kind is a module built by `from_config(cfg, spec, *, rngs)` (the model config and the
+layer's LayerSpec, nn/layer_spec.py) and used by the model's blocks the same way:
 
 - `__call__(x_BLD, pos_BL, posenc, *, cache=None, segment_ids_BL=None, dropout_key=None,
   rotary_state=None)` -> (heads [B, L, H, K], cache): the full forward pass without a cache
@@ -26,6 +27,6 @@ ATTENTIONS: dict[str, type[nnx.Module]] = {
 }
 
 
-def make_attention(cfg, **kwargs) -> nnx.Module:
-  """Builds `ATTENTIONS[cfg.attention]` for one layer (keyword arguments as `from_config`)."""
-  return ATTENTIONS[cfg.attention].from_config(cfg, **kwargs)
+def make_attention(cfg, spec, *, rngs: nnx.Rngs) -> nnx.Module:
+  """Builds `ATTENTIONS[cfg.attention]` for the layer `spec` (a LayerSpec) of the model `cfg`."""
+  return ATTENTIONS[cfg.attention].from_config(cfg, spec, rngs=rngs)

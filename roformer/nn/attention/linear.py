@@ -114,21 +114,11 @@ def causal_linear_sums(qr_BLGRK, qf_BLGRK, kr_BLGK, kf_BLGK, v_BLGV, seg_BL, *, 
 class LinearAttention(Attention):
   """Linear attention with RoPE; the projections are `Attention`'s (same parameters)."""
 
-  def __init__(self, *args, feature_map: str = "elu", **kwargs):
-    super().__init__(*args, **kwargs)
-    self.feature_map = feature_map
-
-  @classmethod
-  def from_config(
-    cls, cfg, *, head_dim, num_kv_heads, causal, window, dtype, param_dtype, rngs, layer=0
-  ):
-    del window, layer  # a window is rejected by check_config; every layer is alike
-    return cls(
-      cfg.emb_dim, cfg.num_heads, head_dim, num_kv_heads=num_kv_heads, causal=causal,
-      use_bias=cfg.use_bias, qkv_bias=cfg.use_bias or cfg.qkv_bias, block=cfg.attention_block,
-      feature_map=cfg.linear_feature_map,
-      dtype=dtype, param_dtype=param_dtype, rngs=rngs,
-    )  # fmt: skip
+  def __init__(self, cfg, spec, *, rngs):
+    # Windows, QK-norm, query temperature, sinks and the forget gate are refused for it when
+    # the config is checked, so what it takes of `Attention` is its projections.
+    super().__init__(cfg, spec, rngs=rngs)
+    self.feature_map = cfg.linear_feature_map
 
   @classmethod
   def check_config(cls, cfg, posenc_cls) -> None:

@@ -28,6 +28,7 @@ from roformer.nn.attention import kv_cache
 from roformer.nn.attention.call import AttentionCall
 from roformer.nn.attention.kernels import KERNELS, dense_attention
 from roformer.nn.attention.softmax import attention_dropout, check_kernel_config, kernel_init
+from roformer.nn.layers import DTYPES
 from roformer.posenc.rope_scaling import mla_softmax_factor
 
 
@@ -85,13 +86,11 @@ class MLAttention(nnx.Module):
     )  # fmt: skip
 
   @classmethod
-  def from_config(
-    cls, cfg, *, head_dim, num_kv_heads, causal, window, dtype, param_dtype, rngs, layer=0
-  ):
-    del num_kv_heads, layer  # one shared rotary key; keys and values come from the latent
+  def from_config(cls, cfg, spec, *, rngs):
+    # One shared rotary key; keys and values come from the latent.
     return cls(
-      cfg, head_dim=head_dim, causal=causal, window=window, dtype=dtype,
-      param_dtype=param_dtype, rngs=rngs,
+      cfg, head_dim=cfg.head_dim or cfg.emb_dim // cfg.num_heads, causal=spec.causal,
+      window=spec.window, dtype=DTYPES[cfg.dtype], param_dtype=DTYPES[cfg.param_dtype], rngs=rngs,
     )  # fmt: skip
 
   @classmethod

@@ -22,12 +22,11 @@ from roformer.nn.attention.call import AttentionCall, Features
 from roformer.nn.attention.kernels import KERNELS, dense_attention
 from roformer.nn.attention.qk_norm import l2_norm, qk_norm_layers
 from roformer.nn.attention.sinks import sink_param
-from roformer.nn.layers import shared_input_dense, tokens
-from roformer.posenc import POSENCS, QueryScale, layer_configs
-from roformer.posenc.config import PosEncConfig
-from roformer.posenc.layers import kind_list
+from roformer.nn.layers import DTYPES, shared_input_dense, tokens
+from roformer.posenc import POSENCS, QueryScale
 
 if TYPE_CHECKING:
+  from roformer.nn.layer_spec import LayerSpec
   from roformer.posenc import PosEnc
 
 
@@ -72,65 +71,38 @@ class Attention(nnx.Module):
   """Self-attention with q/k/v/out projections; positions enter only through `posenc`.
 
   Parameters (logical axes): query.kernel [D, H, K] ('embed', 'heads', 'kv'), key.kernel and
-  value.kernel [D, G, K], out.kernel [H, K, D] ('heads', 'kv', 'embed'); with `use_bias`,
-  query.bias [H, K] and key/value.bias [G, K] ('heads', 'kv') and out.bias [D] ('embed',).
-  `qkv_bias` (None = `use_bias`) sets the query/key/value biases alone, as Qwen2 has them
-  without an output bias. With `attention_sinks`, sinks [H] ('heads',): one learned sink logit
-  per query head (sinks.py). With `use_forget_gate`, forget_gate.proj.kernel [D, H]
-  ('embed', 'heads') and .bias [H] ('heads',): FoX's forget gate (forget_gate.py).
+  value.kernel [D, G, K], out.kernel [H, K, D] ('heads', 'kv', 'embed'); with model.use_bias,
+  query.bias [H, K] and key/value.bias [G, K] ('heads', 'kv') and out.bias [D] ('embed',);
+  model.qkv_bias sets the query/key/value biases alone, as Qwen2 has them without an output
+  bias. With model.attention_sinks, sinks [H] ('heads',): one learned sink logit per query head
+  (sinks.py). With model.forget_gate, forget_gate.proj.kernel [D, H] ('embed', 'heads') and
+  .bias [H] ('heads',): FoX's forget gate (forget_gate.py).
   """
 
-  def __init__(
-    self,
-    emb_dim: int,
-    num_heads: int,
-    head_dim: int,
-    *,
-    num_kv_heads: int = 0,
-    causal: bool,
-    use_bias: bool = True,
-    qkv_bias: bool | None = None,
-    dropout_rate: float = 0.0,
-    impl: str = "auto",
-    block: int = 512,
-    window: int = 0,
-    window_kind: str = "sliding",
-    global_tokens: int = 0,
-    qk_norm: str = "none",
-    norm_eps: float = 1e-6,
-    query_scale: PosEncConfig | None = None,
-    cache_sinks: tuple[int, int] = (0, 0),
-    attention_sinks: bool = False,
-    use_forget_gate: bool = False,
-    rotated_dim: int = 0,
-    dtype=jnp.float32,
-    param_dtype=jnp.float32,
-    rngs: nnx.Rngs,
-  ):
-    num_kv_heads = num_kv_heads or num_heads
-    if impl not in KERNELS:
-      raise ValueError(f"model.attention_impl={impl!r} is not one of {sorted(KERNELS)}")
-    if num_heads % num_kv_heads:
-      raise ValueError(
-        f"model.num_heads={num_heads} is not divisible by model.num_kv_heads={num_kv_heads}"
-      )
-    D, H, G, K = emb_dim, num_heads, num_kv_heads, head_dim
+  def __init__(self, cfg, spec: LayerSpec, *, rngs: nnx.Rngs):
+    """Layer `spec.index` of the model `cfg` (a ModelConfig): every setting comes from the
+    config, the per-layer ones (encoding, window, QK-norm, query temperature) from `spec`, so
+    a new attention feature is a config field, not a new argument."""
+    # model.head_dim and model.num_kv_heads with their 0 defaults resolved (nn/config.py).
+    D, H, K = cfg.emb_dim, cfg.num_heads, cfg.head_dim or cfg.emb_dim // cfg.num_heads
+    G = cfg.num_kv_heads or cfg.num_heads
+    dtype, param_dtype = DTYPES[cfg.dtype], DTYPES[cfg.param_dtype]
     self.dtype = jnp.dtype(dtype)  # of the decoding cache
     # Width of the keys the encoding's `rotate` returns, which the cache holds (PoPE: 2K).
-    self.rotated_dim = rotated_dim or K
-    self.causal = causal
-    self.dropout_rate = dropout_rate
-    self.impl = impl
-    self.block = block
-    self.window = window
-    self.window_kind = window_kind
-    self.global_tokens = global_tokens
+    self.rotated_dim = POSENCS[spec.posenc.kind].rotated_dim(spec.posenc, K)
+    self.causal = spec.causal
+    self.dropout_rate = attention_dropout(cfg)
+    self.impl = cfg.attention_impl
+    self.block = cfg.attention_block
+    self.window = spec.window
+    self.window_kind = spec.window_kind
+    self.global_tokens = cfg.global_tokens
     # StreamingLLM's cache policy: (sinks, recent window) slots; (0, 0) = by `window` alone.
-    self.cache_sinks, self.cache_window = cache_sinks
+    self.cache_sinks, self.cache_window = _cache_sinks(cfg.posenc.extension)
     common = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     hk_bias = nnx.with_partitioning(nnx.initializers.zeros, ("heads", "kv"))
     qkv_init = kernel_init(0, (1, 2), ("embed", "heads", "kv"))
-    qkv_bias = use_bias if qkv_bias is None else qkv_bias
+    qkv_bias = cfg.use_bias or cfg.qkv_bias
     self.query = nnx.Einsum(
       "...D,DHK->...HK", (D, H, K), (H, K) if qkv_bias else None,
       kernel_init=qkv_init, bias_init=hk_bias, **common,
@@ -144,48 +116,35 @@ class Attention(nnx.Module):
       kernel_init=qkv_init, bias_init=hk_bias, **common,
     )  # fmt: skip
     self.out = nnx.Einsum(
-      "...HK,HKD->...D", (H, K, D), (D,) if use_bias else None,
+      "...HK,HKD->...D", (H, K, D), (D,) if cfg.use_bias else None,
       kernel_init=kernel_init((0, 1), 2, ("heads", "kv", "embed")),
       bias_init=nnx.with_partitioning(nnx.initializers.zeros, ("embed",)), **common,
     )  # fmt: skip
-    # QK-norm (qk_norm.py): "rmsnorm" learns a scale [K] for queries and one for keys.
-    self.qk_norm = qk_norm
-    self.norm_eps = norm_eps
-    rmsnorm = qk_norm == "rmsnorm"
+    # Query and key transforms (qk_norm.py, query_scale.py): QK-norm per head, "rmsnorm" with a
+    # learned scale [K] for queries and one for keys; the layer's query temperature.
+    self.qk_norm = spec.qk_norm
+    self.norm_eps = cfg.norm_eps
+    rmsnorm = spec.qk_norm == "rmsnorm"
     self.query_norm, self.key_norm = (
-      qk_norm_layers(K, norm_eps, dtype, param_dtype, rngs) if rmsnorm else (None, None)
+      qk_norm_layers(K, cfg.norm_eps, dtype, param_dtype, rngs) if rmsnorm else (None, None)
     )
     self.query_scale = (
       None
-      if query_scale is None or query_scale.query_scale == "none"
-      else QueryScale(query_scale, num_heads=H, param_dtype=param_dtype, rngs=rngs)
+      if spec.posenc.query_scale == "none"
+      else QueryScale(spec.posenc, num_heads=H, param_dtype=param_dtype, rngs=rngs)
     )
-    self.sinks = sink_param(H, param_dtype, rngs) if attention_sinks else None
+    # Logit terms of the call (sinks.py, forget_gate.py): a sink logit per head; FoX's gate.
+    self.sinks = sink_param(H, param_dtype, rngs) if cfg.attention_sinks else None
     self.forget_gate = (
       forget_gate.ForgetGate(D, H, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-      if use_forget_gate
+      if cfg.forget_gate
       else None
     )
 
   @classmethod
-  def from_config(
-    cls, cfg, *, head_dim, num_kv_heads, causal, window, dtype, param_dtype, rngs, layer=0
-  ):
-    """Layer `layer` of the model `cfg`: its QK-norm and query temperature follow its kind
-    under a per-layer pattern (`model.qk_norm_kinds`, `posenc.query_scale_kinds`)."""
-    layer_posenc = layer_configs(cfg.posenc, cfg.num_layers)[layer]
-    normed = not cfg.qk_norm_kinds or layer_posenc.kind in kind_list(cfg.qk_norm_kinds)
-    rotated_dim = POSENCS[layer_posenc.kind].rotated_dim(layer_posenc, head_dim)
-    return cls(
-      cfg.emb_dim, cfg.num_heads, head_dim, num_kv_heads=num_kv_heads, causal=causal,
-      use_bias=cfg.use_bias, qkv_bias=cfg.use_bias or cfg.qkv_bias,
-      dropout_rate=attention_dropout(cfg), impl=cfg.attention_impl,
-      block=cfg.attention_block, window=window, window_kind=cfg.attention_window_kind,
-      global_tokens=cfg.global_tokens, qk_norm=cfg.qk_norm if normed else "none",
-      norm_eps=cfg.norm_eps, query_scale=layer_posenc, attention_sinks=cfg.attention_sinks,
-      use_forget_gate=cfg.forget_gate, cache_sinks=_cache_sinks(cfg.posenc.extension),
-      rotated_dim=rotated_dim, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
-    )  # fmt: skip
+  def from_config(cls, cfg, spec: LayerSpec, *, rngs: nnx.Rngs):
+    """The attention kinds' common builder (kinds.py)."""
+    return cls(cfg, spec, rngs=rngs)
 
   @classmethod
   def check_config(cls, cfg, posenc_cls) -> None:

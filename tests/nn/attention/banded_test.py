@@ -12,7 +12,7 @@ from roformer.nn.attention import banded as attention_window
 from roformer.nn.attention import kernels as attention
 from roformer.nn.attention import primitives
 from roformer.nn.attention.call import AttentionCall
-from roformer.nn.config import layer_windows, validate_model
+from roformer.nn.config import validate_model
 
 B, L, H, G = 2, 29, 4, 2  # L is not a multiple of the block
 
@@ -126,11 +126,9 @@ def test_window_pattern_repeats_over_layers_and_bad_values_are_named():
   cfg = dataclasses.replace(
     testing.tiny_model_config(), num_layers=5, attention_window_pattern="8,8,0"
   )
-  assert layer_windows(cfg) == (8, 8, 0, 8, 8)
-  assert (
-    layer_windows(dataclasses.replace(cfg, attention_window_pattern="", attention_window=4))
-    == (4,) * 5
-  )
+  assert [spec.window for spec in cfg.layers] == [8, 8, 0, 8, 8]
+  plain = dataclasses.replace(cfg, attention_window_pattern="", attention_window=4)
+  assert [spec.window for spec in plain.layers] == [4] * 5
   for fields, message in [
     (dict(attention_window_pattern="8,x"), "model.attention_window_pattern"),
     (dict(global_tokens=2, attention_window=4), "model.global_tokens"),  # a decoder

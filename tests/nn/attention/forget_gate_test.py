@@ -11,7 +11,6 @@ from flax import nnx
 from roformer import testing
 from roformer.nn.attention import forget_gate, kernels
 from roformer.nn.attention.call import AttentionCall
-from roformer.nn.attention.softmax import Attention
 
 B, L, H, G, K, D = 2, 21, 4, 2, 8, 16
 BLOCK = 4  # L = 21: six query blocks, the last one shifted; window 3 takes the banded path
@@ -121,8 +120,10 @@ def _layers(gate_bias):
   given bias: every gate is sigmoid(bias)."""
   with nnx.use_eager_sharding(False):
     plain, gated = (
-      Attention(D, H, K, num_kv_heads=G, causal=True, impl="chunked", block=BLOCK,
-                use_forget_gate=on, rngs=nnx.Rngs(0))
+      testing.attention_layer(
+        emb_dim=D, num_heads=H, head_dim=K, num_kv_heads=G, attention_impl="chunked",
+        attention_block=BLOCK, forget_gate=on,
+      )
       for on in (False, True)
     )  # fmt: skip
   gated.forget_gate.proj.kernel[...] = jnp.zeros((D, H))

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from roformer.nn.attention import block_pairs, blocks, softmax
+from roformer import testing
+from roformer.nn.attention import block_pairs, blocks
 from roformer.nn.attention import kernels as attention
 from roformer.nn.attention.call import AttentionCall
 from roformer.nn.attention.kernels import cpu_flash, dense
@@ -164,9 +165,9 @@ def _layer(num_kv_heads, impl="dense", seed=0, dtype=jnp.float32):
   """An Attention layer with random values (from numpy, biases included) in every parameter."""
 
   def build():
-    return softmax.Attention(
-      H * K, H, K, num_kv_heads=num_kv_heads, causal=True, impl=impl, block=BLOCK, dtype=dtype,
-      rngs=nnx.Rngs(0),
+    return testing.attention_layer(
+      emb_dim=H * K, num_heads=H, head_dim=K, num_kv_heads=num_kv_heads, attention_impl=impl,
+      attention_block=BLOCK, dtype=jnp.dtype(dtype).name,
     )  # fmt: skip
 
   with nnx.use_eager_sharding(False):  # no mesh in these tests

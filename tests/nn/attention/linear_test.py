@@ -10,7 +10,7 @@ from flax import nnx
 
 from roformer import testing
 from roformer.nn.attention.linear import LinearAttention, feature_map
-from roformer.nn.config import validate_model
+from roformer.nn.config import ModelConfig, validate_model
 from roformer.posenc import make_posenc
 from roformer.posenc.config import PosEncConfig, RopeScaling
 
@@ -22,10 +22,13 @@ def _normal(shape, seed):
 
 
 def _layer(causal, fmap="elu", block=4):
+  cfg = ModelConfig(
+    kind="decoder" if causal else "encoder", emb_dim=16, num_heads=H, head_dim=K,
+    num_kv_heads=G, attention="linear", linear_feature_map=fmap, attention_block=block,
+    posenc=PosEncConfig(kind="rope"),
+  )  # fmt: skip
   with nnx.use_eager_sharding(False):
-    return LinearAttention(
-      16, H, K, num_kv_heads=G, causal=causal, block=block, feature_map=fmap, rngs=nnx.Rngs(0)
-    )
+    return LinearAttention(cfg, cfg.layers[0], rngs=nnx.Rngs(0))
 
 
 def _rope(causal):

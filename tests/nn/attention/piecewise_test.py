@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from roformer import testing
 from roformer.nn.attention import kernels
 from roformer.nn.attention.call import AttentionCall
-from roformer.nn.attention.softmax import Attention
 from roformer.posenc import make_posenc
 from roformer.posenc.config import ContextExtension, PosEncConfig, RopeScaling
 from roformer.posenc.extension import position_pieces
@@ -174,9 +174,10 @@ def test_attention_layer_with_extension_equals_kernel_on_unrotated_qk(impl):
   ext = ContextExtension("dca", chunk=6, local=2)
   posenc = _posenc(ext)
   with nnx.use_eager_sharding(False):
-    layer = Attention(
-      H * K, H, K, num_kv_heads=G, causal=True, impl=impl, block=BLOCK, rngs=nnx.Rngs(1)
-    )
+    layer = testing.attention_layer(
+      emb_dim=H * K, num_heads=H, head_dim=K, num_kv_heads=G, attention_impl=impl,
+      attention_block=BLOCK, seed=1,
+    )  # fmt: skip
   x = _normal((B, L, H * K), 15)
   pos = _positions()
   got, _ = layer(x, pos, posenc)

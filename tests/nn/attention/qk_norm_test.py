@@ -7,7 +7,6 @@ from flax import nnx
 
 from roformer import testing
 from roformer.nn.attention.qk_norm import l2_norm
-from roformer.nn.attention.softmax import Attention
 
 K = 8
 
@@ -23,8 +22,9 @@ def _rms_by_hand(x, eps):
 
 def _attention(qk_norm):
   with nnx.use_eager_sharding(False):
-    return Attention(16, 4, K, num_kv_heads=2, causal=True, qk_norm=qk_norm, norm_eps=1e-5,
-                     rngs=nnx.Rngs(0))  # fmt: skip
+    return testing.attention_layer(
+      emb_dim=16, num_heads=4, head_dim=K, num_kv_heads=2, qk_norm=qk_norm, norm_eps=1e-5
+    )
 
 
 def test_l2_norm_divides_by_the_root_mean_square_as_llama4():
