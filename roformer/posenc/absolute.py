@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from roformer.posenc.base import PosEnc, check_positions
-from roformer.posenc.config import PosEncConfig, param
+from roformer.posenc.config import PosEncConfig, max_len_field, max_wavelength_field
 from roformer.posenc.registry import register
 
 EXTRAPOLATING_KINDS = ("rope", "alibi", "t5", "xpos", "nope")
@@ -48,9 +48,7 @@ class Sinusoidal(PosEnc):
   class Fields(PosEnc.Fields):
     """posenc.* fields of this encoding."""
 
-    max_wavelength: float = param(
-      10000.0, "base b of the frequencies: RoPE / xPos / sinusoidal b^(-2i/d), pope b^(-c/d)"
-    )
+    max_wavelength: float = max_wavelength_field()
 
   paper_embed_scale = "sqrt_d"
 
@@ -77,11 +75,7 @@ class Learned(PosEnc):
   class Fields(PosEnc.Fields):
     """posenc.* fields of this encoding."""
 
-    max_len: int = param(
-      512,
-      "learned: size of the position table (longest sequence the model can take)",
-      reshapes=True,
-    )
+    max_len: int = max_len_field()
 
   def __init__(self, cfg: PosEncConfig, *, emb_dim: int, rngs: nnx.Rngs, **kwargs):
     super().__init__(cfg, emb_dim=emb_dim, rngs=rngs, **kwargs)

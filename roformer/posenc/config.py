@@ -19,6 +19,22 @@ def field_doc(f: dataclasses.Field) -> str:
   return f.metadata.get("doc", "")
 
 
+# Fields several encodings declare (a shared name must be one field: `declare_fields`).
+def max_wavelength_field() -> Any:
+  return param(
+    10000.0, "base b of the frequencies: RoPE / xPos / sinusoidal b^(-2i/d), pope b^(-c/d)"
+  )
+
+
+def max_len_field() -> Any:
+  return param(
+    512,
+    "size of the learned position table (learned: the longest sequence the model can take; "
+    "cope: max_len + 1 embeddings when cope_npos_max is 0)",
+    reshapes=True,
+  )
+
+
 ROPE_LAYOUTS = ("interleaved", "half")
 
 

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from roformer.posenc.base import PosEnc
-from roformer.posenc.config import PosEncConfig, param
+from roformer.posenc.config import PosEncConfig, max_len_field, param
 from roformer.posenc.registry import register
 
 
@@ -76,11 +76,7 @@ class Cope(PosEnc):
   class Fields(PosEnc.Fields):
     """posenc.* fields of this encoding."""
 
-    max_len: int = param(
-      512,
-      "learned: size of the position table; cope without cope_npos_max: max_len + 1 embeddings",
-      reshapes=True,
-    )
+    max_len: int = max_len_field()
     cope_npos_max: int = param(
       0,
       "number of learned position embeddings; contextual positions clamp to it - 1. 0 = "

@@ -48,7 +48,7 @@ import numpy as np
 from flax import nnx
 
 from roformer.posenc.base import PosEnc, check_positions
-from roformer.posenc.config import PosEncConfig, param
+from roformer.posenc.config import PosEncConfig, max_wavelength_field, param
 from roformer.posenc.registry import register
 
 POPE_BIAS_INITS = ("zeros", "uniform")
@@ -110,9 +110,7 @@ class Pope(PosEnc):
   class Fields(PosEnc.Fields):
     """posenc.* fields of this encoding."""
 
-    max_wavelength: float = param(
-      10000.0, "base b of the frequencies: RoPE / xPos / sinusoidal b^(-2i/d), pope b^(-c/d)"
-    )
+    max_wavelength: float = max_wavelength_field()
     pope_bias_init: str = param(
       "zeros",
       "initial key phase bias delta (per key/value head and dim, kept in [-2 pi, 0]): 'zeros' or "

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from roformer.posenc.base import PosEnc, check_positions
-from roformer.posenc.config import PosEncConfig, param
+from roformer.posenc.config import PosEncConfig, max_wavelength_field, param
 from roformer.posenc.extension import position_pieces
 from roformer.posenc.prope import truncate_frequencies
 from roformer.posenc.registry import register
@@ -174,9 +174,7 @@ class Rope(PosEnc):
   class Fields(PosEnc.Fields):
     """posenc.* fields of this encoding."""
 
-    max_wavelength: float = param(
-      10000.0, "base b of the frequencies: RoPE / xPos / sinusoidal b^(-2i/d), pope b^(-c/d)"
-    )
+    max_wavelength: float = max_wavelength_field()
     rope_layout: str = param(
       "interleaved",
       "pairing of dimensions: 'interleaved' (2i, 2i+1) as in RoFormer, or 'half' (i, i + d/2)",
