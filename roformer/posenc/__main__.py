@@ -52,7 +52,10 @@ def main(argv=None) -> int:
   parser.add_argument("--markdown", action="store_true", help="print Markdown tables")
   args = parser.parse_args(argv)
   for module in args.modules:
-    importlib.import_module(module)
+    try:
+      importlib.import_module(module)
+    except ImportError as e:
+      parser.error(f"--import={module}: {e} (is its directory on PYTHONPATH?)")
   kinds = [(k, c.__module__, _summary(c)) for k, c in posenc.POSENCS.items()]
   if args.markdown:
     print("| kind | module | what it is |\n|---|---|---|")

@@ -2,6 +2,8 @@
 
 import dataclasses
 import re
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -159,3 +161,26 @@ def test_a_registered_encoding_brings_its_fields_into_the_posenc_group():
     posenc.unregister("toy")
   with pytest.raises(TypeError, match="no field 'toy_width'"):
     PosEncConfig(kind="toy", toy_width=5)
+
+
+def test_the_listing_shows_every_kind_and_field_and_imports_a_users_module(capsys, monkeypatch):
+  from roformer.posenc import __main__ as listing
+
+  assert listing.main([]) == 0
+  out = capsys.readouterr().out
+  for kind in POSENCS:
+    assert f"\n  {kind} " in out
+  for name in posenc.encoding_fields():
+    assert f"posenc.{name} = " in out
+  assert "gauss" not in out
+  examples = str(Path(__file__).resolve().parents[2] / "docs" / "examples")
+  monkeypatch.syspath_prepend(examples)
+  try:
+    assert listing.main(["--import", "gauss_bias", "--markdown"]) == 0
+    assert "| `posenc.gauss_init_sigma` | `16.0` | gauss |" in capsys.readouterr().out
+  finally:
+    posenc.unregister("gauss")
+    sys.modules.pop("gauss_bias", None)  # a later import registers it again
+  with pytest.raises(SystemExit):
+    listing.main(["--import", "no_such_module"])
+  assert "--import=no_such_module" in capsys.readouterr().err
