@@ -5,6 +5,7 @@ Validated once, when a ModelConfig is built; the model and the library trust one
 
 import copy
 import dataclasses
+import functools
 
 import jax
 
@@ -87,15 +88,19 @@ class ModelConfig:
   posenc: PosEncConfig = PosEncConfig()
 
   def __post_init__(self):
-    # Validated once, when built: the library trusts a ModelConfig that exists. Its per-layer
-    # patterns are resolved then too, into `layers`.
+    # Validated once, when built: the library trusts a ModelConfig that exists.
     validate_model(self)
-    object.__setattr__(self, "_layers", layer_specs(self))
 
   @property
   def layers(self) -> tuple[LayerSpec, ...]:
-    """Every layer's LayerSpec (encoding, window, QK-norm), resolved once from the patterns."""
-    return self._layers
+    """Every layer's LayerSpec (encoding, window, QK-norm), resolved once per config from the
+    patterns (cached by the config's value: the instance's fields stay the whole state)."""
+    return _layers_of(self)
+
+
+@functools.lru_cache(maxsize=256)
+def _layers_of(cfg: ModelConfig) -> tuple[LayerSpec, ...]:
+  return layer_specs(cfg)
 
 
 def resolve_head_dim(cfg: ModelConfig) -> int:
