@@ -97,7 +97,9 @@ def parse_error(cfg: PosEncConfig, known_kinds) -> str | None:
     if unknown:
       return (
         f"posenc.layer_pattern={cfg.layer_pattern!r} names unknown kind(s) {unknown}; "
-        f"kinds are {tuple(known_kinds)}, comma-separated, e.g. 'rope,rope,rope,nope'"
+        f"kinds are {tuple(known_kinds)}, comma-separated, e.g. 'rope,rope,rope,nope' (an "
+        "encoding of your own registers with @roformer.posenc.register in a module the config "
+        "file imports)"
       )
     if cfg.kind not in kinds:
       return (

@@ -8,7 +8,7 @@ package or from any module of the user's own:
     @posenc.register("gauss")
     class GaussBias(posenc.PosEnc):
       @dataclasses.dataclass(frozen=True)
-      class Fields:
+      class Fields(posenc.PosEnc.Fields):
         gauss_init_sigma: float = posenc.param(16.0, "initial width of the bias, in positions")
       ...
 
@@ -69,14 +69,6 @@ def unregister(kind: str) -> None:
 
 def _qualified(cls: type) -> str:
   return f"{cls.__module__}.{cls.__qualname__}"
-
-
-def get(kind: str) -> type:
-  """The class registered under `kind`, or UnknownEncodingError saying how to register one."""
-  try:
-    return POSENCS[kind]
-  except KeyError:
-    raise UnknownEncodingError(unknown_kind_message(kind)) from None
 
 
 def unknown_kind_message(kind: str, field: str = "posenc.kind") -> str:
