@@ -237,31 +237,91 @@ def _train(kind: str, cfg: DataConfig, source: Source) -> hf_tokenizers.Tokenize
     raise DataError(
       f"data.vocab_size={cfg.vocab_size} is below {min_vocab}, the minimum for {kind}"
     )
-  if kind == "bpe":
-    # Byte-level BPE without a normalizer is lossless: decode(encode(x)) == x.
-    tok = hf_tokenizers.Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-      vocab_size=cfg.vocab_size,
-      special_tokens=list(specials),
-      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-      show_progress=False,
-    )
-  else:
-    # BERT-style and cased; whitespace is not preserved, so decode is approximate.
-    tok = hf_tokenizers.Tokenizer(models.WordPiece(unk_token="[UNK]"))
-    tok.normalizer = normalizers.BertNormalizer(lowercase=False, strip_accents=False)
-    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    tok.decoder = decoders.WordPiece()
-    trainer = trainers.WordPieceTrainer(
-      vocab_size=cfg.vocab_size, special_tokens=list(specials), show_progress=False
-    )
   log.info(
     "Training a %s tokenizer (vocab_size %d) on %s.", kind, cfg.vocab_size, source.describe()
   )
-  tok.train_from_iterator(_training_texts(source, cfg.tokenizer_max_chars), trainer)
+  texts = _training_texts(source, cfg.tokenizer_max_chars)
+  if kind == "wordpiece":
+    return _train_wordpiece(texts, cfg.vocab_size)
+  # Byte-level BPE without a normalizer is lossless: decode(encode(x)) == x.
+  tok = hf_tokenizers.Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+  tok.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(
+    vocab_size=cfg.vocab_size,
+    special_tokens=list(specials),
+    initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    show_progress=False,
+  )
+  tok.train_from_iterator(texts, trainer)
   return tok
+
+
+def _train_wordpiece(texts: Iterator[list[str]], vocab_size: int) -> hf_tokenizers.Tokenizer:
+  """A BERT-style, cased WordPiece vocabulary that depends only on the texts.
+
+  `tokenizers`' WordPieceTrainer is a BPE trainer whose continuation pieces ("##c") get their
+  ids in the order of a randomly seeded hash map, and ties between equally frequent merges are
+  broken by id: two trainings on the same text give different vocabularies (a thread count does
+  not change that). Its plain BPE trainer, given words without a prefix, numbers every symbol in
+  sorted order and is deterministic. So each word is written with its non-initial characters
+  replaced by private-use twins (the "##" symbols as characters of their own), a plain BPE is
+  trained on those words, and its vocabulary is mapped back to WordPiece pieces ("##" + the
+  characters of a piece that starts with a twin): the same vocabulary WordPieceTrainer trains,
+  with ids in a fixed order. Whitespace is not preserved, so decode is approximate.
+  """
+  tok = hf_tokenizers.Tokenizer(models.WordPiece(unk_token="[UNK]"))
+  tok.normalizer = normalizers.BertNormalizer(lowercase=False, strip_accents=False)
+  tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+  tok.decoder = decoders.WordPiece()
+  words: dict[str, int] = {}
+  for batch in texts:
+    for text in batch:
+      for word, _ in tok.pre_tokenizer.pre_tokenize_str(tok.normalizer.normalize_str(text)):
+        words[word] = words.get(word, 0) + 1
+  alphabet = sorted({c for word in words for c in word})
+  to_twin = dict(zip(alphabet, _private_use_chars(exclude=set(alphabet)), strict=False))
+  from_twin = {twin: c for c, twin in to_twin.items()}
+  # A plain BPE over single words: no normalizer or pre-tokenizer, each sequence is one word.
+  bpe = hf_tokenizers.Tokenizer(models.BPE())
+  trainer = trainers.BpeTrainer(
+    vocab_size=vocab_size,
+    special_tokens=list(WORDPIECE_SPECIALS),
+    initial_alphabet=alphabet,  # as WordPieceTrainer: every character also as a word start
+    show_progress=False,
+  )
+  twinned = {word[0] + "".join(to_twin[c] for c in word[1:]): n for word, n in words.items()}
+  bpe.train_from_iterator(_repeated(twinned), trainer)
+  vocab = {}
+  for piece, token_id in bpe.get_vocab(with_added_tokens=False).items():
+    if piece in WORDPIECE_SPECIALS:
+      vocab[piece] = token_id
+    elif piece[0] in from_twin:
+      vocab["##" + "".join(from_twin[c] for c in piece)] = token_id
+    else:
+      vocab[piece[0] + "".join(from_twin[c] for c in piece[1:])] = token_id
+  tok.model = models.WordPiece(vocab, unk_token="[UNK]")
+  tok.add_special_tokens(list(WORDPIECE_SPECIALS))
+  return tok
+
+
+def _repeated(counts: dict[str, int]) -> Iterator[list[str]]:
+  """Each word as often as it occurs, in batches (the trainer counts the words itself)."""
+  batch: list[str] = []
+  for word, count in counts.items():
+    batch.extend([word] * count)
+    if len(batch) >= 4096:
+      yield batch
+      batch = []
+  if batch:
+    yield batch
+
+
+def _private_use_chars(*, exclude: set[str]) -> Iterator[str]:
+  """Characters of the supplementary private use planes (15, 16), those in `exclude` skipped."""
+  for code in (*range(0xF0000, 0xFFFFE), *range(0x100000, 0x10FFFE)):
+    if chr(code) not in exclude:
+      yield chr(code)
 
 
 def _training_texts(source: Source, max_chars: int) -> Iterator[list[str]]:

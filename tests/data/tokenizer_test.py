@@ -2,6 +2,8 @@
 
 import json
 import random
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -124,6 +126,22 @@ def test_wordpiece_trains_on_files_and_decodes_words(tmp_path):
   assert tok.decode(tok.encode("rotary attention window.")) == "rotary attention window."
   assert tok.mask_id != tok.pad_id and tok.mask_id in tok.special_ids
   assert tok.backend.token_to_id("[UNK]") in tok.special_ids
+
+
+def test_wordpiece_training_is_a_function_of_the_text(tmp_path):
+  # Two trainings on the same text, here and in a fresh process (another hash seed), write the
+  # same file: a rerun of a run trains the tokenizer the run was trained with.
+  cfg = data.DataConfig(
+    source="files", files=str(FIXTURES / "records.jsonl"), tokenizer="wordpiece", vocab_size=120
+  )
+  here = {data.build_tokenizer(cfg, workdir="").backend.to_str() for _ in range(3)}
+  script = (
+    "import sys; from roformer import data; "
+    f"cfg = data.DataConfig(source='files', files={cfg.files!r}, tokenizer='wordpiece', "
+    "vocab_size=120); data.build_tokenizer(cfg, workdir=sys.argv[1])"
+  )
+  subprocess.run([sys.executable, "-c", script, str(tmp_path)], check=True, capture_output=True)
+  assert here == {(tmp_path / "tokenizer.json").read_text()}
 
 
 def test_tokenizer_json_without_specials_gets_them_appended(tmp_path):
