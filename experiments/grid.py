@@ -395,6 +395,7 @@ def _run_grid(runs, base, common, out, workroot, report, adopt) -> list[dict]:
       "overrides": overrides,
       "train_seconds": round(train_seconds, 1),
       "final_eval": {k: v for k, v in last_eval.items() if isinstance(v, int | float)},
+      "tokenizer_sha256": tokenizer_sha256(workdir),
       "metrics": metrics,
       "evaluations": evaluations,
       "settings": settings,
@@ -504,6 +505,15 @@ def restore_run(name: str, config, workdir: pathlib.Path, record_path: pathlib.P
     diff = float(last_eval["loss"]) - float(recorded["loss"])
     print(f"  {name}: final eval loss {last_eval['loss']:.6f}, recorded "
           f"{recorded['loss']:.6f} (diff {diff:+.2e})", flush=True)  # fmt: skip
+
+
+def tokenizer_sha256(workdir: pathlib.Path) -> str:
+  """SHA-256 of the run's tokenizer.json ("" for the bytes tokenizer, which has none): a rerun
+  that gets another loss tells a different tokenizer from a different model by it."""
+  from roformer.data.tokenizer import TOKENIZER_FILE
+
+  path = pathlib.Path(workdir) / TOKENIZER_FILE
+  return hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else ""
 
 
 def _read_metrics(workdir: pathlib.Path) -> list[dict]:
