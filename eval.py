@@ -20,6 +20,7 @@ import sys
 from absl import app, flags, logging
 
 from roformer.evals import extend_flags
+from roformer.infra import compile_cache
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", None, "Run directory to evaluate (its config.json and checkpoints).")
@@ -57,6 +58,7 @@ flags.DEFINE_bool(
   "bca", False, "Blockwise causal attention (xPos): blocks of --window or the training length."
 )
 extend_flags.define_flags()
+compile_cache.define_flags()
 flags.DEFINE_enum(
   "query_scale",
   "none",
@@ -188,8 +190,11 @@ def main(argv):
     cpu_flags.set_default_cpu_flags()  # before JAX starts
     import jax
 
+    from roformer.data.sources.base import cache_root
     from roformer.evals import ppl_vs_length
     from roformer.evals import spec as spec_lib
+
+    compile_cache.enable_from_flags(FLAGS, cache_root())  # before any compile
 
     print(f"JAX devices: {jax.devices()}", flush=True)
     from roformer.evals.effective_length import EffectiveRule

@@ -14,6 +14,7 @@ import sys
 from absl import app, flags, logging
 
 from roformer.evals import extend_flags
+from roformer.infra import compile_cache
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", None, "Run directory (its config.json, checkpoints, tokenizer).")
@@ -34,6 +35,7 @@ flags.DEFINE_string("rope_scaling", "none", "RoPE scaling applied at generation 
 flags.DEFINE_float("rope_factor", 1.0, "Factor of --rope_scaling.")
 flags.DEFINE_integer("step", None, "Checkpoint step of --workdir; default the latest.")
 extend_flags.define_flags()
+compile_cache.define_flags()
 
 
 def _check_flag_combinations() -> None:
@@ -62,7 +64,10 @@ def main(argv):
   try:
     _check_flag_combinations()
     from roformer import generate
+    from roformer.data.sources.base import cache_root
     from roformer.evals.spec import extension_from_options
+
+    compile_cache.enable_from_flags(FLAGS, cache_root())  # before any compile
 
     kind, fields = extend_flags.values(FLAGS)
     text = generate.generate_text(

@@ -9,6 +9,8 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from roformer.infra import compile_cache
+
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file(
   "config",
@@ -27,6 +29,7 @@ flags.DEFINE_integer(
   "num_processes", int(os.environ.get("JAX_NUM_PROCESSES", "0")), "Number of processes."
 )
 flags.DEFINE_integer("process_id", int(os.environ.get("JAX_PROCESS_ID", "-1")), "This process.")
+compile_cache.define_flags()
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -113,6 +116,9 @@ def main(argv):
 
   from roformer import config as config_lib
   from roformer import errors
+  from roformer.data.sources.base import cache_root
+
+  compile_cache.enable_from_flags(FLAGS, cache_root(FLAGS.config.data))  # before any compile
   from roformer.infra import checkpoint, metrics_log, workdir
   from roformer.train import loop as train_loop
 
