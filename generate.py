@@ -63,6 +63,9 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   try:
     _check_flag_combinations()
+    from roformer.infra import cpu_flags
+
+    cpu_flags.set_default_cpu_flags()  # before JAX starts
     from roformer import generate
     from roformer.data.sources.base import cache_root
     from roformer.evals.spec import extension_from_options

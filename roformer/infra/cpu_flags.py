@@ -1,9 +1,12 @@
-"""XLA:CPU flags for training and evaluation, set before JAX starts (this module imports no JAX)."""
+"""XLA:CPU flags and the CPU platform for training and evaluation, set before JAX starts (this
+module imports no JAX)."""
 
 import ctypes
 import importlib.util
 import os
+import pathlib
 import platform
+import sys
 
 # XLA:CPU's experimental YNNPACK fusions slow this project's train step down (about 13% on a
 # 4-layer, 256-wide encoder); an empty fusion-type list turns them off.
@@ -13,17 +16,46 @@ _ACCELERATOR_MODULES = ("libtpu", "jax_cuda12_plugin", "jax_cuda13_plugin", "jax
 
 
 def runs_on_cpu_only() -> bool:
-  """True when JAX will use only the CPU: JAX_PLATFORMS=cpu, or unset with no accelerator plugin."""
+  """True when JAX will use only the CPU: JAX_PLATFORMS=cpu, or unset with no accelerator plugin
+  that has its hardware here (libtpu without a TPU chip counts as none)."""
   platforms = os.environ.get("JAX_PLATFORMS", "")
   if platforms:
     return platforms.strip().lower() == "cpu"
-  return not any(importlib.util.find_spec(name) for name in _ACCELERATOR_MODULES)
+  for name in _ACCELERATOR_MODULES:
+    if importlib.util.find_spec(name) is None:
+      continue
+    if name != "libtpu" or "JAX_FORCE_TPU_INIT" in os.environ or tpu_attached():
+      return False
+  return True
+
+
+def tpu_attached() -> bool:
+  """Whether a TPU chip is on this machine's PCI bus, by JAX's own probe (the one that decides
+  its Cloud TPU set-up: jax/_src/hardware_utils.py, loaded without importing JAX). True when
+  that probe cannot be read: then JAX probes for itself."""
+  jax_spec = importlib.util.find_spec("jax")
+  if jax_spec is None or not jax_spec.submodule_search_locations:
+    return True
+  path = pathlib.Path(list(jax_spec.submodule_search_locations)[0]) / "_src" / "hardware_utils.py"
+  try:
+    spec = importlib.util.spec_from_file_location("_jax_hardware_utils", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    chips, _ = module.num_available_tpu_chips_and_device_id()
+  except Exception:  # another JAX's layout: leave the probe to JAX
+    return True
+  return chips > 0
 
 
 def set_default_cpu_flags(keep_freed_memory: bool = True) -> bool:
-  """Sets XLA_FLAGS to CPU_XLA_FLAGS if the user set none and JAX runs on CPU only, and there
-  keeps freed memory in the process (`keep_freed_host_memory`, unless `keep_freed_memory` is
-  False).
+  """On a machine where JAX runs on CPU only: sets XLA_FLAGS to CPU_XLA_FLAGS if the user set
+  none, keeps freed memory in the process (`keep_freed_host_memory`, unless `keep_freed_memory`
+  is False), and with JAX_PLATFORMS unset sets it to "cpu".
+
+  The last because JAX otherwise loads an installed libtpu (`jax[tpu]`) on any machine, and on
+  one without a TPU chip its failure prints libtpu's warnings and "Unable to initialize backend
+  'tpu'" in every run; where a chip is attached (or JAX_FORCE_TPU_INIT is set) JAX probes as
+  always, so a TPU that fails to start still says why.
 
   Must run before JAX initialises its backends. Returns True when it set XLA_FLAGS.
   """
@@ -31,6 +63,10 @@ def set_default_cpu_flags(keep_freed_memory: bool = True) -> bool:
     return False
   if keep_freed_memory:
     keep_freed_host_memory()
+  if not os.environ.get("JAX_PLATFORMS"):
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    if "jax" in sys.modules:  # JAX read the variable when it was imported
+      sys.modules["jax"].config.update("jax_platforms", "cpu")
   if "XLA_FLAGS" in os.environ:
     return False
   os.environ["XLA_FLAGS"] = CPU_XLA_FLAGS

@@ -1,6 +1,7 @@
 """roformer/infra/cpu_flags.py: default XLA:CPU flags only on CPU, only when the user set none;
 there freed memory is kept for reuse."""
 
+import importlib.util
 import os
 import platform
 import subprocess
@@ -87,3 +88,52 @@ def test_on_cpu_freed_memory_is_reused_without_page_faults(platforms, size, kept
 def test_user_malloc_settings_win(monkeypatch):
   monkeypatch.setenv("MALLOC_ARENA_MAX", "4")
   assert not cpu_flags.keep_freed_host_memory()
+
+
+@pytest.mark.parametrize("attached", [False, True])
+def test_libtpu_without_a_tpu_chip_counts_as_cpu_only(monkeypatch, attached):
+  monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+  monkeypatch.delenv("JAX_FORCE_TPU_INIT", raising=False)
+  monkeypatch.setattr(cpu_flags, "keep_freed_host_memory", lambda: True)  # not this process
+  installed = {"libtpu"}
+  monkeypatch.setattr(
+    cpu_flags.importlib.util, "find_spec", lambda name: object() if name in installed else None
+  )
+  monkeypatch.setattr(cpu_flags, "tpu_attached", lambda: attached)
+  assert cpu_flags.runs_on_cpu_only() is not attached
+  cpu_flags.set_default_cpu_flags()
+  # Only where no chip is attached does JAX skip libtpu; where one is, JAX probes and reports.
+  assert os.environ.get("JAX_PLATFORMS") == (None if attached else "cpu")
+  monkeypatch.setenv("JAX_FORCE_TPU_INIT", "1")
+  monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+  assert not cpu_flags.runs_on_cpu_only()
+
+
+def test_tpu_attached_is_jax_probe():
+  from jax._src import hardware_utils
+
+  chips, _ = hardware_utils.num_available_tpu_chips_and_device_id()
+  assert cpu_flags.tpu_attached() == (chips > 0)
+
+
+_START_JAX = """
+from roformer.infra import cpu_flags
+cpu_flags.set_default_cpu_flags(keep_freed_memory=False)
+import jax
+print(jax.devices()[0].platform)
+"""
+
+
+@pytest.mark.skipif(
+  importlib.util.find_spec("libtpu") is None or cpu_flags.tpu_attached(),
+  reason="needs libtpu installed (jax[tpu]) on a machine without a TPU chip",
+)
+def test_jax_tpu_installed_on_a_cpu_machine_starts_without_tpu_lines():
+  env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+  proc = subprocess.run(
+    [sys.executable, "-c", _START_JAX],
+    env=dict(env, PYTHONPATH=str(REPO)),
+    capture_output=True, text=True, timeout=120, check=True,
+  )  # fmt: skip
+  assert proc.stdout.strip() == "cpu"
+  assert "tpu" not in proc.stderr.lower(), proc.stderr[-2000:]
