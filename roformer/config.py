@@ -520,6 +520,17 @@ def posenc_defaults() -> dict:
   return PosEncConfig().to_dict()
 
 
-def describe(run_config: RunConfig) -> str:
-  """The resolved config as indented JSON, for the startup log."""
-  return json.dumps(to_dict(run_config), indent=2)
+def summary(run_config: RunConfig, *, num_params: int) -> str:
+  """The resolved config in one line, for the startup log (config.json holds all of it)."""
+  model, data, optim, train = run_config.model, run_config.data, run_config.optim, run_config.train
+  kinds = dict.fromkeys(spec.posenc.kind for spec in model.layers)
+  encoding = "/".join(kinds) + (" by layer" if len(kinds) > 1 else "")
+  if model.posenc.scaling.kind != "none":
+    encoding += f" ({model.posenc.scaling.kind} x{model.posenc.scaling.factor:g})"
+  return (
+    f"{model.kind}, {model.num_layers} layers x {model.emb_dim} wide, {model.num_heads} heads, "
+    f"{num_params:,} parameters; encoding {encoding}; data {data.source}, tokenizer "
+    f"{data.tokenizer} (vocab {model.vocab_size}), seq_len {data.seq_len}; "
+    f"{train.num_train_steps} steps of {train.global_batch_size} sequences, learning rate "
+    f"{optim.learning_rate:g} ({optim.schedule})"
+  )

@@ -105,6 +105,23 @@ def test_mlm_config_is_post_ln_encoder():
   assert run_config.model.kind == "encoder" and not run_config.model.pre_norm
 
 
+def test_summary_is_one_line_of_size_encoding_data_and_budget():
+  from configs import arms, quickstart
+
+  run_config = config_lib.run_config_from_dict(quickstart.get_config(), vocab_size=261)
+  assert config_lib.summary(run_config, num_params=1_834_752) == (
+    "decoder, 4 layers x 192 wide, 4 heads, 1,834,752 parameters; encoding rope; data "
+    "pystdlib, tokenizer bytes (vocab 261), seq_len 128; 700 steps of 16 sequences, learning "
+    "rate 0.0015 (cosine)"
+  )
+  # A hybrid names its layers' encodings; a RoPE scaling its kind and factor.
+  config = quickstart.get_config()
+  arms.apply(config, "irope", nope_every=2)
+  config.posenc.scaling.kind, config.posenc.scaling.factor = "yarn", 4.0
+  line = config_lib.summary(config_lib.run_config_from_dict(config), num_params=1)
+  assert "; encoding rope/nope by layer (yarn x4); " in line and "\n" not in line
+
+
 def test_run_config_resolves_original_max_len_only_when_zero():
   config = _config_dict(**{"data.seq_len": 128, "posenc.scaling.kind": "yarn"})
   assert config_lib.run_config_from_dict(config).model.posenc.scaling.original_max_len == 128

@@ -315,8 +315,11 @@ def _log_startup(setup: Setup, num_params: int, workdir: epath.Path) -> None:
     jax.devices(),
   )
   logging.info("Mesh %s, rules %s", dict(setup.mesh.shape), setup.rules)
-  logging.info("Parameters: %s", f"{num_params:,}")
-  logging.info("Workdir %s; resolved config:\n%s", workdir, config_lib.describe(setup.run_config))
+  logging.info(
+    "Config: %s; all fields in %s",
+    config_lib.summary(setup.run_config, num_params=num_params),
+    workdir / workdir_lib.CONFIG_FILE,
+  )
 
 
 # ---- The loop ----
