@@ -32,7 +32,7 @@ import json
 import pathlib
 import sys
 
-from experiments import extension_report, extrapolation, grid, synthetic
+from experiments import extension_report, extrapolation, grid, pages, synthetic
 from roformer.data import synthetic as synthetic_data
 
 SCALINGS = ("linear", "ntk", "dynamic", "yarn", "llama3")
@@ -231,6 +231,7 @@ def main():
   def write_report(_=None):
     ppl, tasks = every_record(out, args)
     extension_report.write_extension(ppl, tasks, out, seq_len=scale.seq_len, scale=args.scale)
+    pages.refresh_page(out)
 
   runs = perplexity_runs(scale, only)
   print(f"extension grid, scale {args.scale}, corpus {args.corpus} -> {out}")

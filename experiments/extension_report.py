@@ -95,9 +95,10 @@ def write_extension(
   seq_len: int,
   scale: str,
   subject: str = "",
+  draw: bool = True,
 ) -> None:
-  """results.csv, tasks.csv, table.md, perplexity.png and <task>.png of the extension grid
-  (`subject` names what was evaluated in the heading; default "<scale> scale")."""
+  """results.csv, tasks.csv, table.md, and unless not `draw` perplexity.png and <task>.png of the
+  extension grid (`subject` names what was evaluated in the heading; default "<scale> scale")."""
   rows = grid.csv_rows(records)
   grid.write_csv(rows, out / "results.csv")
   subject = subject or f"{scale} scale"
@@ -119,9 +120,10 @@ def write_extension(
       all_task_rows += trows
       lines += ["", *_task_table(task, task_recs, trows)]
       runs = [(ev["scaling"], ev["result"]) for _, ev in _evaluations(task_recs)]
-      task_plots.plot_task_runs(
-        runs, out / f"{task}.png", title=f"{task}: context extension at evaluation ({subject})"
-      )
+      if draw:
+        task_plots.plot_task_runs(
+          runs, out / f"{task}.png", title=f"{task}: context extension at evaluation ({subject})"
+        )
   if all_task_rows:
     grid.write_csv(all_task_rows, out / "tasks.csv", TASK_COLUMNS)
   (out / "table.md").write_text("\n".join(lines) + "\n")
@@ -129,7 +131,7 @@ def write_extension(
     (ev["scaling"], report._protocol_only(ev["result"], "nonoverlapping"), seq_len)
     for _, ev in _evaluations(records)
   ]
-  if curves:
+  if curves and draw:
     plots.plot_runs(
       curves, out / "perplexity.png", title=f"Training-free context extension ({subject})"
     )

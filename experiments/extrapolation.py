@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 
 from configs import arms
-from experiments import grid, report
+from experiments import grid, pages, report
 
 ENCODINGS = ("sinusoidal", "learned", "rope", "alibi", "nope", "t5", "xpos")
 SCALINGS = ("linear", "ntk", "dynamic", "yarn", "llama3")
@@ -258,6 +258,7 @@ def main():
   def write_report(_=None):  # every finished run in OUT, also those of earlier --only runs
     records = grid.finished_records(every_run, out)
     report.write_extrapolation(records, out, seq_len=scale.seq_len, scale=args.scale)
+    pages.refresh_page(out)
 
   grid.run_grid(
     runs,

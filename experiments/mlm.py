@@ -16,7 +16,7 @@ table.md. Finished runs are skipped, so a killed grid resumes.
 
 from __future__ import annotations
 
-from experiments import grid, report
+from experiments import grid, pages, report
 
 ENCODINGS = ("learned", "rope", "sinusoidal", "t5", "alibi", "nope")
 
@@ -107,6 +107,7 @@ def main():
   def write_report(_=None):  # every finished run in OUT, also those of earlier --only runs
     records = grid.finished_records(every_run, out)
     report.write_mlm(records, out, seq_len=scale["seq_len"], scale=args.scale)
+    pages.refresh_page(out)
 
   grid.run_grid(
     runs,

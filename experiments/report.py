@@ -1,4 +1,8 @@
-"""The grids' outputs: results.csv, table.md and the plots, from the runs' records."""
+"""The grids' outputs: results.csv, table.md and the plots, from the runs' records.
+
+python -m experiments.report results/<grid> ...   # rewrite a committed grid's report and page
+                                                  # from its run JSONs (experiments/pages.py)
+"""
 
 from __future__ import annotations
 
@@ -70,8 +74,11 @@ def _seed_table(records: Sequence[dict], rows: list[dict], seq_len: int) -> list
   return lines
 
 
-def write_extrapolation(records: Sequence[dict], out: pathlib.Path, *, seq_len: int, scale: str):
-  """results.csv, table.md, encodings.png and scalings.png of the extrapolation grid."""
+def write_extrapolation(
+  records: Sequence[dict], out: pathlib.Path, *, seq_len: int, scale: str, draw: bool = True
+):
+  """results.csv, table.md, and unless not `draw` the plots encodings.png, scalings.png and
+  frontier.png of the extrapolation grid."""
   rows = grid.csv_rows(records)
   grid.write_csv(rows, out / "results.csv")
   lengths = sorted({int(r["length"]) for r in rows})
@@ -137,6 +144,8 @@ def write_extrapolation(records: Sequence[dict], out: pathlib.Path, *, seq_len: 
   lines += _seed_table(records, rows, seq_len)
   lines += ["", "## Wall time", ""] + _wall_table(records) + [""]
   (out / "table.md").write_text("\n".join(lines))
+  if not draw:
+    return
 
   def label(record, ev):
     return plots.run_label(record["run"], {**ev["result"], "posenc": record["run"]})
@@ -244,13 +253,10 @@ def _mlm_curve_table(records: Sequence[dict]) -> list[str]:
   return lines
 
 
-def write_mlm(records: Sequence[dict], out: pathlib.Path, *, seq_len: int, scale: str):
-  """results.csv (with accuracy), table.md and curves.png of the MLM grid."""
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
+def write_mlm(
+  records: Sequence[dict], out: pathlib.Path, *, seq_len: int, scale: str, draw: bool = True
+):
+  """results.csv (with accuracy), table.md and (unless not `draw`) curves.png of the MLM grid."""
   rows = []
   for record in records:
     for ev in record.get("evaluations", []):
@@ -284,6 +290,12 @@ def write_mlm(records: Sequence[dict], out: pathlib.Path, *, seq_len: int, scale
   lines += _mlm_curve_table(records)
   lines += ["", "## Wall time", ""] + _wall_table(records) + [""]
   (out / "table.md").write_text("\n".join(lines))
+  if not draw:
+    return
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
 
   fig, (ax_train, ax_eval) = plt.subplots(1, 2, figsize=(12, 4.5), constrained_layout=True)
   for record in records:
@@ -304,3 +316,11 @@ def write_mlm(records: Sequence[dict], out: pathlib.Path, *, seq_len: int, scale
   fig.suptitle(f"MLM loss curves ({scale} scale; RoFormer paper Fig. 3)")
   fig.savefig(out / "curves.png", dpi=120)
   plt.close(fig)
+
+
+if __name__ == "__main__":
+  import sys
+
+  from experiments import pages
+
+  pages.main(sys.argv[1:])

@@ -324,8 +324,8 @@ def grid_order(result: dict) -> tuple:
           result["randomized"])  # fmt: skip
 
 
-def write_summaries(out: str, results: list[dict]) -> None:
-  """results.csv, one PNG per task and table.md from every run's JSON."""
+def write_summaries(out: str, results: list[dict], draw: bool = True) -> None:
+  """results.csv, table.md and (unless not `draw`) the PNGs of each task from every run's JSON."""
   from roformer.evals import task_plots
   from roformer.evals.effective_length import EffectiveRule, task_effective_lengths
 
@@ -360,14 +360,15 @@ def write_summaries(out: str, results: list[dict]) -> None:
     ]
     lengths = sorted({rec["length"] for r in runs for rec in r["records"]})
     baseline = no_lookup_baseline(lengths) if task == "associative_recall" else None
-    task_plots.plot_task_grid(
-      [(title, panel) for title, panel in panels if panel],
-      os.path.join(out, f"{task}.png"),
-      title=f"{task}: accuracy against length",
-      baseline=baseline,
-    )
+    if draw:
+      task_plots.plot_task_grid(
+        [(title, panel) for title, panel in panels if panel],
+        os.path.join(out, f"{task}.png"),
+        title=f"{task}: accuracy against length",
+        baseline=baseline,
+      )
     for r in runs:
-      if "passkey_depths" in r:
+      if draw and "passkey_depths" in r:
         suffix = r["encoding"] + ("+randomized" if r["randomized"] else "")
         task_plots.plot_passkey_heatmap(r, os.path.join(out, f"passkey_heatmap__{suffix}.png"))
     lo, hi = runs[0]["train_lengths"]
@@ -473,6 +474,9 @@ def summarize(out: str) -> int:
       with open(os.path.join(out, file)) as f:
         results.append(json.load(f))
   write_summaries(out, results)
+  from experiments import pages  # its values read this module
+
+  pages.refresh_page(pathlib.Path(out))
   return len(results)
 
 

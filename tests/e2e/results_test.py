@@ -1,60 +1,78 @@
-"""The committed results: each grid's CSV and table are what its runs' JSONs give, and every
-results table in the README is copied verbatim from one of those tables."""
+"""The committed results: each grid's CSVs, tables and page (results/<grid>/README.md) are what
+`python -m experiments.report results/<grid>` makes from its run JSONs and notes.md, and every
+results table the README or a page shows is copied verbatim from one of the grids' tables."""
 
 import csv
+import difflib
 import json
 import re
+import shutil
 
 import pytest
 
-from experiments import extension, extension_report, extrapolation, grid, mlm, report, synthetic
+from experiments import grid, pages, synthetic
 from roformer.testing import REPO
 
 RESULTS = REPO / "results"
-GRID_DIRS = sorted(p.parent for p in RESULTS.glob("*/*/table.md") if p.parts[-3] != "synthetic")
-# A README table copied from a grid's table.md is announced by this comment on the line before.
+GRIDS = [RESULTS / name for name in pages.GRIDS]
+# A table copied from a grid's table.md is announced by this comment on the line before.
 TABLE_MARK = re.compile(r"<!-- from (results/\S+/table\.md) -->")
 
 
-def _regenerate(directory, tmp_path):
-  """Rewrites OUT's report from its JSONs into tmp_path, as the driver does after each run."""
-  scale, seq_len = report.read_header(directory)
-  if directory.parent.name == "extension":
-    runs = extension.perplexity_runs(extrapolation.SCALES[scale], set())
-    task_scale = extension.TASK_SCALES[scale]
-    tasks = {
-      task: grid.finished_records(extension.task_runs(task_scale, task, set()), directory / "tasks")
-      for task in task_scale.tasks
-    }
-    records = grid.finished_records(runs, directory)
-    assert records, f"{directory}: no run JSONs"
-    extension_report.write_extension(records, tasks, tmp_path, seq_len=seq_len, scale=scale)
-    return
-  if directory.parent.name == "extrapolation":
-    runs = extrapolation.grid_runs(extrapolation.SCALES[scale], set())
-    write = report.write_extrapolation
-  else:
-    runs = mlm.grid_runs(mlm.SCALES[scale], set())
-    write = report.write_mlm
-  records = grid.finished_records(runs, directory)
-  assert records, f"{directory}: no run JSONs"
-  write(records, tmp_path, seq_len=seq_len, scale=scale)
+@pytest.fixture(scope="module")
+def regenerated(tmp_path_factory):
+  """grid directory -> a temporary directory holding its report regenerated from its JSONs
+  (once per grid for the whole module: the CSV, table and page tests share it). The plots are
+  not drawn: the pages link the committed ones, and drawing them is most of the time."""
+  made = {}
+
+  def make(grid_dir):
+    if grid_dir not in made:
+      out = tmp_path_factory.mktemp(grid_dir.name)
+      pages.regenerate(grid_dir, out, draw=False)
+      made[grid_dir] = out
+    return made[grid_dir]
+
+  return make
 
 
-@pytest.mark.parametrize("directory", GRID_DIRS, ids=lambda p: str(p.relative_to(RESULTS)))
-def test_committed_csv_and_table_are_what_the_run_jsons_give(directory, tmp_path):
-  _regenerate(directory, tmp_path)
-  for name in ("results.csv", "tasks.csv", "table.md"):
-    regenerated, committed = tmp_path / name, directory / name
-    assert regenerated.exists() == committed.exists(), name  # tasks.csv: both or neither
-    if committed.exists():
-      assert regenerated.read_text() == committed.read_text(), name
+def _ids(path):
+  return path.name
 
 
-def test_readme_results_tables_are_copied_from_the_committed_tables():
-  lines = (REPO / "README.md").read_text().splitlines()
+@pytest.mark.parametrize("grid_dir", GRIDS, ids=_ids)
+def test_committed_csvs_and_tables_are_what_the_run_jsons_give(grid_dir, regenerated):
+  out = regenerated(grid_dir)
+  for scale in pages.scales(grid_dir):
+    for name in ("results.csv", "tasks.csv", "table.md"):
+      regenerated_file, committed = out / scale / name, grid_dir / scale / name
+      where = committed.relative_to(REPO)
+      assert regenerated_file.exists() == committed.exists(), where  # tasks.csv: both or neither
+      if committed.exists():
+        assert regenerated_file.read_text() == committed.read_text(), (
+          f"{where} is not what its run JSONs give: rerun `{pages.command(grid_dir.name)}`"
+        )
+
+
+@pytest.mark.parametrize("grid_dir", GRIDS, ids=_ids)
+def test_committed_page_is_what_the_run_jsons_and_notes_give(grid_dir, regenerated):
+  page = regenerated(grid_dir) / "README.md"
+  committed = grid_dir / "README.md"
+  command = pages.command(grid_dir.name)
+  assert committed.exists(), f"no {committed.relative_to(REPO)}: run `{command}`"
+  made, kept = page.read_text().splitlines(), committed.read_text().splitlines()
+  diff = difflib.unified_diff(kept, made, "committed", "from the JSONs", lineterm="")
+  diff = "\n".join(list(diff)[:20])
+  assert page.read_text() == committed.read_text(), (
+    f"{committed.relative_to(REPO)} is not what its run JSONs and notes.md give: rerun "
+    f"`{command}`\n{diff}"
+  )
+
+
+def _check_marked_tables(path) -> int:
+  """Asserts every table after a mark is rows of the marked table.md; returns how many marks."""
+  lines = path.read_text().splitlines()
   marked = [(i, m.group(1)) for i, line in enumerate(lines) if (m := TABLE_MARK.search(line))]
-  assert marked, "README has no results table marked with <!-- from results/.../table.md -->"
   for index, source in marked:
     table = set((REPO / source).read_text().splitlines())
     rows = []
@@ -64,16 +82,67 @@ def test_readme_results_tables_are_copied_from_the_committed_tables():
           break
         continue
       rows.append(line)
-    assert len(rows) > 2, f"README line {index + 1}: no table after the mark"
+    assert len(rows) > 2, f"{path.name} line {index + 1}: no table after the mark"
     for row in rows:
-      assert row in table, f"README row not in {source}: {row}"
+      assert row in table, f"{path.relative_to(REPO)}: row not in {source}: {row}"
+  return len(marked)
+
+
+def test_readme_results_tables_are_copied_from_the_committed_tables():
+  # The README may show no results table (the pages below do); any it shows is marked and copied.
+  _check_marked_tables(REPO / "README.md")
+
+
+@pytest.mark.parametrize("grid_dir", GRIDS, ids=_ids)
+def test_page_tables_are_copied_from_the_committed_tables(grid_dir):
+  assert _check_marked_tables(grid_dir / "README.md") > 0, f"{grid_dir.name}: a page with no table"
+
+
+def _mlm_copy(tmp_path, notes: str):
+  """A copy of the committed MLM grid (JSONs and tables) with `notes` as its notes.md."""
+  root = tmp_path / "results"
+  shutil.copytree(RESULTS / "mlm", root / "mlm", ignore=shutil.ignore_patterns("*.png"))
+  (root / "mlm" / "notes.md").write_text(notes)
+  return root / "mlm"
+
+
+def test_page_numbers_are_read_from_the_run_jsons(tmp_path):
+  source = _mlm_copy(tmp_path, "# MLM\n\nRoPE at L: {{loss pystdlib rope 128}} nats.\n")
+  path = source / "pystdlib" / "rope.json"
+  record = json.loads(path.read_text())
+  scored = record["evaluations"][0]["result"]["records"]
+  at_l = next(r for r in scored if r["length"] == 128 and r["protocol"] == "nonoverlapping")
+  assert f"RoPE at L: {at_l['loss']:.3f} nats." in pages.render_page(source, source)
+  at_l["loss"] = 1.25
+  path.write_text(json.dumps(record))
+  assert "RoPE at L: 1.250 nats." in pages.render_page(source, source)
+
+
+@pytest.mark.parametrize(
+  "notes, error",
+  [
+    ("# MLM\n\n{{lost pystdlib rope 128}}\n", "line 3: unknown value 'lost'"),
+    ("# MLM\n\n{{loss pystdlib rope 999}}\n", "line 3: pystdlib: rope has no score at 999"),
+    ("# MLM\n\nx\n{{table pystdlib No such}}\n", "line 4: pystdlib/table.md has no heading"),
+    ("# MLM\n\n![curves](pystdlib/missing.png)\n", "line 3: no file pystdlib/missing.png"),
+  ],
+)
+def test_a_page_that_cannot_be_made_names_its_notes_line(tmp_path, notes, error):
+  source = _mlm_copy(tmp_path, notes)
+  with pytest.raises(ValueError, match=re.escape(error)):
+    pages.render_page(source, source)
+
+
+def test_a_driver_refreshes_the_page_of_a_committed_grid_only():
+  assert pages.page_of(RESULTS / "mlm" / "pystdlib") == RESULTS / "mlm"
+  assert pages.page_of(RESULTS / "synthetic") == RESULTS / "synthetic"
+  assert pages.page_of(RESULTS / "mlm") is None  # a scaled grid's driver writes a corpus folder
+  assert pages.page_of(REPO / "tmp_out" / "pystdlib") is None
 
 
 def test_extrapolation_csv_has_the_documented_columns():
-  for directory in GRID_DIRS:
-    if directory.parent.name != "extrapolation":
-      continue
-    with (directory / "results.csv").open() as f:
+  for directory in sorted((RESULTS / "extrapolation").glob("*/results.csv")):
+    with directory.open() as f:
       header = next(csv.reader(f))
     assert header == list(grid.CSV_COLUMNS)
 
@@ -106,11 +175,3 @@ def test_committed_synthetic_results_are_the_whole_cpu_grid():
     for n in expected
     if n.startswith("passkey__")
   }
-
-
-def test_committed_synthetic_csv_and_table_are_what_the_run_jsons_give(tmp_path):
-  for path in SYNTHETIC.glob("*.json"):
-    (tmp_path / path.name).write_text(path.read_text())
-  synthetic.summarize(str(tmp_path))
-  for name in ("results.csv", "table.md"):
-    assert (tmp_path / name).read_text() == (SYNTHETIC / name).read_text(), name
