@@ -92,6 +92,8 @@ def write_page(source: pathlib.Path, out: pathlib.Path) -> None:
 
 
 def render_page(source: pathlib.Path, out: pathlib.Path) -> str:
+  """The page's text: its header (how it is made), then notes.md with its directives filled in
+  and its prose re-wrapped; a directive or link that cannot be filled names its line."""
   grid_name = source.name
   notes = (source / "notes.md").read_text()
   tables = {scale: (out / scale / "table.md").read_text() for scale in scales(source)}

@@ -140,6 +140,11 @@ def test_a_driver_refreshes_the_page_of_a_committed_grid_only():
   assert pages.page_of(REPO / "tmp_out" / "pystdlib") is None
 
 
+def test_report_command_refuses_a_directory_that_is_not_a_grid(tmp_path):
+  with pytest.raises(SystemExit, match="not a grid directory"):
+    pages.main([str(tmp_path)])
+
+
 def test_extrapolation_csv_has_the_documented_columns():
   for directory in sorted((RESULTS / "extrapolation").glob("*/results.csv")):
     with directory.open() as f:
