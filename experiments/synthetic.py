@@ -281,15 +281,19 @@ def restore_parent(scale: Scale, task: str, encoding: str, workroot, out: pathli
   )
 
 
-def run_one(scale: Scale, task: str, encoding: str, randomized: bool, config, workdir) -> dict:
+def run_overrides(config) -> dict:
+  """The run's config as overrides of configs/default.py (dotted names): what its JSON records,
+  so that `grid.make_config("", overrides)` (experiments/rerun.py) builds the config again."""
+  defaults = grid.flat_fields(default.get_config())
+  return {k: v for k, v in grid.flat_fields(config).items() if defaults.get(k, v) != v}
+
+
+def score(workdir, spec: dict) -> dict:
+  """The task evaluation `spec` (`eval_spec`) of the run in `workdir`; with an evaluation arm's
+  options also the same checkpoint without them ("plain_records")."""
   from roformer.evals import task_vs_length
   from roformer.evals.spec import RopeOverride
 
-  spec = eval_spec(scale, task, randomized, encoding)
-  start = time.perf_counter()
-  if encoding not in EVALUATIONS:  # those score the run they start from as it is
-    grid.train_to_end(run_name(task, encoding, randomized), config, pathlib.Path(workdir))
-  train_seconds = time.perf_counter() - start
   evaluate = lambda **options: task_vs_length.evaluate_tasks(  # noqa: E731
     workdir,
     lengths=spec["lengths"],
@@ -302,10 +306,20 @@ def run_one(scale: Scale, task: str, encoding: str, randomized: bool, config, wo
   if "rope_scaling" in spec:
     rope = RopeOverride(spec["rope_scaling"], spec["rope_factor"])
   result = evaluate(query_scale=spec.get("query_scale", "none"), rope=rope)
-  if encoding in EVALUATIONS:
+  if rope is not None or "query_scale" in spec:
     # The same checkpoint without the option: the arm's own baseline (a run retrained in
     # another environment may score a little differently from its recorded JSON).
     result["plain_records"] = evaluate()["records"]
+  return result
+
+
+def run_one(scale: Scale, task: str, encoding: str, randomized: bool, config, workdir) -> dict:
+  spec = eval_spec(scale, task, randomized, encoding)
+  start = time.perf_counter()
+  if encoding not in EVALUATIONS:  # those score the run they start from as it is
+    grid.train_to_end(run_name(task, encoding, randomized), config, pathlib.Path(workdir))
+  train_seconds = time.perf_counter() - start
+  result = score(workdir, spec)
   return {
     "run": run_name(task, encoding, randomized),
     "encoding": encoding,
@@ -450,6 +464,7 @@ def main(argv):
         restore_parent(scale, task, encoding, root, out)
       workdir = run_workdir(scale, task, encoding, randomized, root)
       result = run_one(scale, task, encoding, randomized, config, str(workdir))
+      result.update(base="", overrides=run_overrides(config))
       result.update(settings=settings, settings_hash=grid.settings_hash(settings))
       path.write_text(json.dumps(result, indent=2) + "\n")
       scored = [rec for rec in result["records"] if "skipped" not in rec]
