@@ -26,18 +26,21 @@ def _make_model_fn(run_config: RunConfig):
 def create_train_state(run_config: RunConfig, tx: optax.GradientTransformation, mesh, rules):
   """A freshly initialised model and optimizer, born sharded over `mesh`.
 
+  Both come from one jitted program (one trace, one compilation): the optimizer's state is
+  zeros shaped by the parameters, which need not be a program of its own.
+
   Returns:
     (model_def, model_state, opt_def, opt_state): nnx graphdefs and states of the model and of
     its nnx.Optimizer (AdamW moments sharded like the parameters).
   """
   make = _make_model_fn(run_config)
-  model_def, model_state = nnx.split(sharding.create_sharded(make, mesh, rules))
-  optimizer = sharding.create_sharded(
-    lambda state: nnx.Optimizer(nnx.merge(model_def, state), tx, wrt=nnx.Param),
-    mesh,
-    rules,
-    model_state,
-  )
+
+  def make_both():
+    model = make()
+    return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+  model, optimizer = sharding.create_sharded(make_both, mesh, rules)
+  model_def, model_state = nnx.split(model)
   opt_def, opt_state = nnx.split(optimizer)
   return model_def, model_state, opt_def, opt_state
 
