@@ -123,6 +123,12 @@ def markdown() -> str:
     "fields. The posenc group is built from the registered encodings: an encoding of your own",
     "brings its fields along (`python -m roformer.posenc --import=MODULE` lists them).",
     "",
+    "```bash",
+    f"{COMMAND}              # rewrites this page",
+    "python -m roformer.posenc --markdown   # the encodings and every posenc field",
+    "python train.py --help                 # train.py's flags besides --config.*",
+    "```",
+    "",
   ]
   order = list(group_docs) + [g for g in config.keys() if g not in group_docs]
   out.append("Groups: " + ", ".join(f"[`{g}`](#{g})" for g in order) + ".")

@@ -2,7 +2,7 @@
 
 Run: python train.py --config=configs/synthetic_copy.py --workdir=/tmp/copy
 Then: python eval.py --workdir=/tmp/copy --task_lengths=8,16,24,32,64,128,256 --task_examples=512
-What it reaches, and why ALiBi: README ("Length generalisation on tasks") and docs/synthetic.md.
+What it reaches, and why ALiBi: docs/synthetic.md ("Experiments").
 Any encoding: --config.posenc.kind=rope (etc.);
 randomized positions: --config.posenc.randomize_max=N.
 """
