@@ -253,10 +253,15 @@ def run_script(script: str, *args: str, timeout: int = 300) -> subprocess.Comple
 
 
 def subprocess_env(devices: int = 1, **extra: str) -> dict:
+  """The environment of a test's subprocess: `devices` CPU devices, the parent's other XLA flags
+  (scripts/test.sh's optimisation level), one compilation cache per test session."""
   env = dict(os.environ)
+  flags = [
+    f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f
+  ]
   env.update(
     JAX_PLATFORMS="cpu",
-    XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+    XLA_FLAGS=" ".join([*flags, f"--xla_force_host_platform_device_count={devices}"]),
     JAX_COMPILATION_CACHE_DIR=_compilation_cache_dir(),
     JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.5",
     PYTHONPATH=str(REPO),
