@@ -105,13 +105,15 @@ def synthetic_batch(run_config, rng):
     weights_BL = (rng.random((B, L)) < run_config.data.mlm_probability).astype(np.float32)
   else:
     weights_BL = np.ones((B, L), np.float32)
-  return {
+  batch = {
     "inputs": tokens_BL,
     "targets": np.roll(tokens_BL, -1, axis=1),
     "positions": np.broadcast_to(np.arange(L, dtype=np.int32), (B, L)).copy(),
-    "segment_ids": np.ones((B, L), np.int32),
     "weights": weights_BL,
   }
+  if run_config.data.pack:  # as TrainBatches: only packed rows carry segment ids
+    batch["segment_ids"] = np.ones((B, L), np.int32)
+  return batch
 
 
 class JaxTrainer:
@@ -205,7 +207,8 @@ def compile_train_step(run_config, devices) -> dict:
     name: jax.ShapeDtypeStruct(
       (B, L), jnp.float32 if name == "weights" else jnp.int32, sharding=batch_sh
     )
-    for name in ("inputs", "targets", "positions", "segment_ids", "weights")
+    for name in ("inputs", "targets", "positions", "weights")
+    + (("segment_ids",) if run_config.data.pack else ())
   }
   step_fn = jax.jit(
     functools.partial(

@@ -2,8 +2,9 @@
 
 Decoder rows are seq_len + 1 consecutive tokens (windows overlap by one token, so every token is
 a target once per epoch) split into inputs and next-token targets; with data.pack, documents are
-packed with segment ids instead. Encoder rows are plain windows of seq_len tokens of the token
-stream (documents separated by EOS, no CLS/SEP), BERT-masked.
+packed with segment ids instead, and only those batches carry segment ids. Encoder rows are plain
+windows of seq_len tokens of the token stream (documents separated by EOS, no CLS/SEP),
+BERT-masked.
 """
 
 from __future__ import annotations
@@ -117,10 +118,11 @@ class TrainBatches:
     """This process's rows of the global batch of `step`.
 
     Returns:
-      {"inputs", "targets", "positions", "segment_ids"}: int32 [B, L] and "weights": float32 [B, L],
-      with B = global_batch_size // process_count and L = data.seq_len. Decoder targets are the
-      next tokens (weight 0 on targets in another document or padding; padding has segment id 0).
-      Encoder inputs are masked, targets are the original tokens, weights 1 on masked positions.
+      {"inputs", "targets", "positions"}: int32 [B, L] and "weights": float32 [B, L], with
+      B = global_batch_size // process_count and L = data.seq_len; packed rows (data.pack) add
+      "segment_ids" int32 [B, L]. Decoder targets are the next tokens (packed: weight 0 on targets
+      in another document or padding; padding has segment id 0). Encoder inputs are masked,
+      targets are the original tokens, weights 1 on masked positions.
     """
     if step < 0:
       raise ValueError(f"step={step} must be >= 0")
@@ -165,12 +167,13 @@ class TrainBatches:
   def _window_batch(
     self, inputs_BL: np.ndarray, targets_BL: np.ndarray, weights_BL: np.ndarray
   ) -> dict[str, np.ndarray]:
-    """A batch of unpacked windows: one segment per row, positions 0..L-1."""
+    """A batch of unpacked windows: positions 0..L-1 and no segment ids. A row is one sequence,
+    so attention needs no segment mask: the fused kernels (cuDNN's causal kernel, splash) then
+    run unmasked, and no all-ones array is built and sent to the devices every step."""
     return {
       "inputs": inputs_BL,
       "targets": targets_BL,
       "positions": self._positions_BL.copy(),  # fresh arrays: callers may mutate or donate them
-      "segment_ids": np.ones(self._positions_BL.shape, np.int32),
       "weights": weights_BL,
     }
 

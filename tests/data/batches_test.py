@@ -73,7 +73,8 @@ def test_decoder_batch_targets_are_next_tokens_of_contiguous_windows():
   np.testing.assert_array_equal(b["inputs"], starts[:, None] + np.arange(seq_len))
   np.testing.assert_array_equal(b["targets"], b["inputs"] + 1)
   np.testing.assert_array_equal(b["positions"], np.broadcast_to(np.arange(seq_len), (8, seq_len)))
-  assert np.all(b["segment_ids"] == 1) and np.all(b["weights"] == 1)
+  # One sequence per row: no segment ids (attention runs unmasked; only packed rows carry them).
+  assert "segment_ids" not in b and np.all(b["weights"] == 1)
 
 
 def test_decoder_epoch_visits_every_window_once_in_a_seed_dependent_order():
