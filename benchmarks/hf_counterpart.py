@@ -186,9 +186,10 @@ def hf_counterpart(run_config) -> Counterpart:
 
 
 class TorchTrainer:
-  """A Hugging Face model trained with torch AdamW (the optim group's settings) on our batch."""
+  """A Hugging Face model trained with torch AdamW (the optim group's settings) on our batch,
+  on `device` ("cpu" or "cuda"), eager or through `torch.compile` (`compile=True`)."""
 
-  def __init__(self, run_config, counterpart: Counterpart):
+  def __init__(self, run_config, counterpart: Counterpart, *, device="cpu", compile=False):
     import numpy as np
     import torch
     import transformers
@@ -197,7 +198,7 @@ class TorchTrainer:
     torch.manual_seed(run_config.train.seed)
     self.name, self.note = counterpart.name, counterpart.note
     model_cls = getattr(transformers, counterpart.name)
-    self.model = model_cls(counterpart.config).to(torch.float32).train()
+    self.model = model_cls(counterpart.config).to(torch.float32).to(device).train()
     self.opt = torch.optim.AdamW(
       self.model.parameters(),
       lr=o.learning_rate,
@@ -206,15 +207,18 @@ class TorchTrainer:
       weight_decay=o.weight_decay,
     )
     batch = bench_step.synthetic_batch(run_config, np.random.default_rng(0))
-    self.inputs = torch.from_numpy(batch["inputs"]).long()
+    self.inputs = torch.from_numpy(batch["inputs"]).long().to(device)
     labels = batch["inputs"].astype(np.int64)
     if m.kind == "encoder":  # HF ignores label -100: loss on masked positions only
       labels = np.where(batch["weights"] > 0, batch["targets"], -100).astype(np.int64)
-    self.labels = torch.from_numpy(labels)  # CausalLM shifts the labels itself
+    self.labels = torch.from_numpy(labels).to(device)  # CausalLM shifts the labels itself
     self.clip = o.grad_clip_norm
     self.torch = torch
+    self.device = device
+    # The optimizer holds the parameters themselves: compiling the forward leaves it unchanged.
+    self.forward = torch.compile(self.model) if compile else self.model
     # Our bfloat16 path (float32 master weights, bfloat16 matmuls) against PyTorch's counterpart:
-    # the forward and loss under CPU autocast, the backward and AdamW outside it.
+    # the forward and loss under autocast, the backward and AdamW outside it.
     self.autocast = m.dtype == "bfloat16"
 
   def run(self, steps: int) -> float:
@@ -222,13 +226,15 @@ class TorchTrainer:
     start = time.perf_counter()
     for _ in range(steps):
       self.step()
+    if self.device != "cpu":
+      self.torch.cuda.synchronize()  # the steps were queued, not run
     return time.perf_counter() - start
 
   def step(self, phase=contextlib.nullcontext) -> None:
     """One train step; `phase(name)` wraps its forward, backward and update (profiler labels)."""
     with phase("forward"):
-      with self.torch.autocast("cpu", dtype=self.torch.bfloat16, enabled=self.autocast):
-        loss = self.model(input_ids=self.inputs, labels=self.labels).loss
+      with self.torch.autocast(self.device, dtype=self.torch.bfloat16, enabled=self.autocast):
+        loss = self.forward(input_ids=self.inputs, labels=self.labels).loss
     with phase("backward"):
       loss.backward()
     with phase("update"):
