@@ -124,14 +124,16 @@ def _parse_all(commands: list[list[str]], hf_dir: str) -> list[str]:
     parse_args(self, args, namespace)
     raise _Parsed
 
-  app.run = run_parses_only
-  argparse.ArgumentParser.parse_args = parse_args_only
   sys.path.insert(0, str(REPO))
   os.chdir(REPO)
   app.define_help_flags()  # as app.run does (--help, --helpfull, ...), once
   baseline = set(fv)
   results = []
   for argv in commands:
+    # Patched before every command (on the module as imported now), so that no command line
+    # ever runs its job here.
+    sys.modules["absl.app"].run = run_parses_only
+    argparse.ArgumentParser.parse_args = parse_args_only
     argv = [re.sub(r"(^|[=:])HF_DIR$", lambda m: m.group(1) + hf_dir, a) for a in argv]
     said = io.StringIO()
     try:
