@@ -243,3 +243,14 @@ def test_first_steps_are_logged_with_time_left_before_the_first_regular_line(sho
   lines = [line for line in short_run.splitlines() if "metrics_log" in line]
   assert any("step 1/3, train_loss" in line and "left" in line for line in lines), lines
   assert any("step 2/3, train_loss" in line and "left" in line for line in lines), lines
+
+
+@pytest.mark.slow
+def test_start_up_logs_a_config_summary_and_where_the_full_config_is(short_run):
+  lines = short_run.splitlines()
+  (summary,) = [line for line in lines if "] Config: " in line]
+  assert "decoder, " in summary and " parameters; encoding " in summary, summary
+  assert summary.endswith("config.json") and "all fields in " in summary, summary
+  # Everything before the first step fits a screen (the resolved config alone is ~190 lines).
+  first_step = next(i for i, line in enumerate(lines) if "step 1/3, train_loss" in line)
+  assert first_step < 30, "\n".join(lines[:first_step])
