@@ -1,0 +1,400 @@
+"""One command that checks a GPU end to end and prints one table as it goes (docs/gpu.md):
+
+- throughput: the 12-layer, 768-wide Llama-style decoder (SwiGLU 2048, RMSNorm, no biases, untied
+  head, RoPE; bytes vocabulary), 16 x 2048 tokens, bfloat16: tokens/s, MFU (6N + 12 L H K T
+  FLOPs per token, benchmarks/flops.py's count, over the chip's datasheet bf16 peak, else a
+  measured matmul peak) and peak device memory; then LlamaForCausalLM of the same shape (torch
+  AdamW, bf16 autocast), eager and through torch.compile, when torch and transformers are
+  installed (benchmarks/hf_counterpart.py);
+- long_context: the same model on one 32,768-token sequence;
+- first_step: seconds from `train.py` start to its first step, cold (an empty compilation
+  cache) and warm (the same cache, a new run);
+- cudnn: for each encoding `attention_impl=auto` sends to cuDNN, its loss and gradients in
+  bfloat16 against the float32 oracle (`oracle.reference_attention`), relative errors;
+- quickstart: `train.py --config=configs/quickstart.py`: seconds, the last train and eval loss.
+
+Each part runs in a process of its own (its own device memory; JAX or PyTorch alone on the GPU),
+under its own time limit and within the whole run's budget; a part whose packages are missing is
+one line saying which, and is skipped. The JSON holds every row.
+
+  python -m benchmarks.gpu_check [--json=gpu_check.json] [--parts=throughput,cudnn]
+  JAX_PLATFORMS=cpu python -m benchmarks.gpu_check --smoke   # tiny shapes on a CPU; checks itself
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+from absl import app, flags
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+flags.DEFINE_bool("smoke", False, "Tiny shapes on any machine; fails unless its table is whole.")
+flags.DEFINE_list("parts", [], "Parts to run (default: all, in order).")
+flags.DEFINE_string("json", "gpu_check.json", "Write every row here ('' = nowhere).")
+flags.DEFINE_integer("budget", 470, "Seconds for the whole run; parts past it are skipped.")
+flags.DEFINE_string("serve", "", "Internal: run one part and print its rows as JSON.")
+FLAGS = flags.FLAGS
+
+# The 12 x 768 Llama-style decoder, on configs/lm.py.
+LLAMA_12x768 = {
+  "model.num_layers": 12,
+  "model.emb_dim": 768,
+  "model.num_heads": 12,
+  "model.mlp_dim": 2048,
+  "model.activation": "swiglu",
+  "model.norm": "rmsnorm",
+  "model.use_bias": False,
+  "model.tie_embeddings": False,
+  "model.dropout_rate": 0.0,
+  "model.dtype": "bfloat16",
+  "posenc.kind": "rope",
+  "posenc.rope_layout": "half",
+  "data.tokenizer": "bytes",
+}
+FULL = {"batch": 16, "seq_len": 2048, "long": 32768, "steps": 10, "cudnn_len": 1024, "heads": 8}
+SMOKE = {"batch": 2, "seq_len": 32, "long": 128, "steps": 2, "cudnn_len": 32, "heads": 2}
+SMOKE_MODEL = {"model.num_layers": 1, "model.emb_dim": 32, "model.num_heads": 2,
+               "model.mlp_dim": 64, "model.dtype": "float32"}  # fmt: skip
+SMOKE_ENCODINGS = ("rope", "alibi", "t5")  # one of each way to the logits cuDNN takes
+
+
+# ---- Parts (each runs in a child process: `--serve=NAME`) ----
+
+
+def _run_config(sizes: dict, *, seq_len: int, batch: int):
+  from benchmarks import bench_step
+  from configs import lm
+
+  config = lm.get_config()
+  overrides = {**LLAMA_12x768, **(SMOKE_MODEL if FLAGS.smoke else {})}
+  overrides |= {"data.seq_len": seq_len, "train.global_batch_size": batch}
+  for name, value in overrides.items():
+    bench_step.apply_overrides(config, {name: value})
+  return bench_step.run_config(config)
+
+
+def _peak(kind: str, dtype: str) -> tuple[float, str]:
+  """The device's bf16 peak FLOP/s (datasheet where known, else measured) and where it is from."""
+  from benchmarks import flops as flops_lib
+
+  if kind in flops_lib.CHIP_PEAK_BF16:
+    return flops_lib.CHIP_PEAK_BF16[kind], "datasheet"
+  return flops_lib.measure_peak(1024 if FLAGS.smoke else 4096, dtype), "measured matmul"
+
+
+def _ours(sizes: dict, *, seq_len: int, batch: int, label: str) -> list[dict]:
+  import jax
+
+  from benchmarks import bench_step
+  from benchmarks import flops as flops_lib
+
+  run_config = _run_config(sizes, seq_len=seq_len, batch=batch)
+  trainer = bench_step.JaxTrainer(run_config)
+  trainer.run(1)
+  seconds = trainer.run(sizes["steps"])
+  tokens_per_sec = batch * seq_len * sizes["steps"] / seconds
+  device = jax.devices()[0]
+  peak, source = _peak(device.device_kind, run_config.model.dtype)
+  flops = flops_lib.flops_per_token(run_config)
+  stats = device.memory_stats() or {}
+  memory = stats.get("peak_bytes_in_use")
+  where = f"{device.device_kind}, {batch} x {seq_len}, {run_config.model.dtype}"
+  return [
+    _row(f"{label} tokens/s", tokens_per_sec, where),
+    _row(f"{label} MFU", flops * tokens_per_sec / peak, f"{flops / 1e9:.3f} GFLOP/token, {source}"),
+    _row(f"{label} compile s", trainer.compile_seconds, "the train step"),
+    _row(f"{label} peak memory GiB", memory / 2**30 if memory else None, "device peak in use"),
+  ]
+
+
+def part_throughput(sizes):
+  return _ours(sizes, seq_len=sizes["seq_len"], batch=sizes["batch"], label="ours")
+
+
+def part_long_context(sizes):
+  return _ours(sizes, seq_len=sizes["long"], batch=1, label="ours 1 x long")
+
+
+def _hf(sizes, *, compile: bool) -> list[dict]:
+  import torch
+
+  from benchmarks import flops as flops_lib
+  from benchmarks import hf_counterpart
+
+  run_config = _run_config(sizes, seq_len=sizes["seq_len"], batch=sizes["batch"])
+  device = "cuda" if torch.cuda.is_available() else "cpu"
+  counterpart = hf_counterpart.hf_counterpart(run_config)
+  trainer = hf_counterpart.TorchTrainer(run_config, counterpart, device=device, compile=compile)
+  trainer.run(2)  # torch.compile compiles here
+  seconds = trainer.run(sizes["steps"])
+  tokens_per_sec = sizes["batch"] * sizes["seq_len"] * sizes["steps"] / seconds
+  kind = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+  peak, source = _peak(kind, run_config.model.dtype)
+  flops = flops_lib.flops_per_token(run_config)
+  label = f"HF {counterpart.name}" + (" torch.compile" if compile else " eager")
+  memory = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
+  return [
+    _row(f"{label} tokens/s", tokens_per_sec, f"{kind}, torch {torch.__version__}"),
+    _row(f"{label} MFU", flops * tokens_per_sec / peak, source),
+    _row(f"{label} peak memory GiB", memory, "torch.cuda.max_memory_allocated"),
+  ]
+
+
+def part_hf_eager(sizes):
+  return _hf(sizes, compile=False)
+
+
+def part_hf_compile(sizes):
+  return _hf(sizes, compile=True)
+
+
+def _train_cmd(config: str, workdir: str, overrides: dict, *extra: str) -> list[str]:
+  """train.py with configs/`config` and its overrides."""
+  return [
+    sys.executable, os.path.join(REPO, "train.py"), f"--config={REPO}/configs/{config}",
+    f"--workdir={workdir}", *(f"--config.{name}={value}" for name, value in overrides.items()),
+    *extra,
+  ]  # fmt: skip
+
+
+def _seconds_to_first_step(cmd: list[str], timeout: float) -> float:
+  """Wall seconds from the process's start to its log line of step 1."""
+  start = time.perf_counter()
+  with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as p:
+    first, tail = None, []
+    for line in p.stdout:
+      tail = [*tail[-20:], line]
+      if first is None and re.search(r"\bstep 1/\d+", line):
+        first = time.perf_counter() - start
+      if time.perf_counter() - start > timeout:
+        p.kill()
+    if p.wait() != 0 or first is None:
+      raise RuntimeError("train.py failed: " + "".join(tail[-5:]))
+  return first
+
+
+def part_first_step(sizes):
+  overrides = {**LLAMA_12x768, **(SMOKE_MODEL if FLAGS.smoke else {})}
+  overrides |= {
+    "data.seq_len": sizes["seq_len"],
+    "train.global_batch_size": sizes["batch"],
+    "train.num_train_steps": 1,
+    "train.eval_max_tokens": 0,
+    "train.checkpoint_every_steps": 0,
+  }
+  rows = []
+  with tempfile.TemporaryDirectory() as tmp:
+    for name in ("cold", "warm"):  # a new run each time, with one compilation cache
+      run = _train_cmd("lm.py", f"{tmp}/{name}", overrides, f"--compilation_cache_dir={tmp}/xla")
+      seconds = _seconds_to_first_step(run, timeout=300)
+      rows.append(_row(f"first step, {name} s", seconds, "train.py start to step 1"))
+  return rows
+
+
+def part_cudnn(sizes):
+  """Each encoding `auto` sends to cuDNN: its bf16 loss and gradients against the oracle."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from flax import nnx
+
+  from roformer.nn.attention.call import AttentionCall
+  from roformer.nn.attention.kernels import KERNELS, cudnn
+  from roformer.nn.attention.oracle import reference_attention
+  from roformer.posenc import POSENCS, make_posenc
+  from roformer.posenc.config import PosEncConfig
+
+  on_gpu = jax.default_backend() == "gpu"
+  kernel = KERNELS["cudnn"].call if on_gpu else KERNELS["cudnn"].emulated
+  B, L, H, K = 2, sizes["cudnn_len"], sizes["heads"], 64 if on_gpu else 16
+  rng = np.random.default_rng(0)
+  q, k, v, cot = (jnp.asarray(rng.standard_normal((B, L, H, K)), jnp.float32) for _ in range(4))
+  pos = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
+  kinds = SMOKE_ENCODINGS if FLAGS.smoke else tuple(POSENCS)
+  rows = []
+  for kind in kinds:
+    with nnx.use_eager_sharding(False):
+      posenc = make_posenc(
+        PosEncConfig(kind=kind, max_len=max(L, 512)), num_heads=H, head_dim=K, emb_dim=H * K,
+        causal=True, rngs=nnx.Rngs(3),
+      )  # fmt: skip
+    qr, kr = posenc.rotate(q, k, pos, pos, posenc.prepare(pos))
+    call = AttentionCall(
+      causal=True, bias_fn=posenc.bias, bias_factors_fn=posenc.bias_factors,
+      content_bias_fn=posenc.content_bias,
+    )  # fmt: skip
+    args16 = [x.astype(jnp.bfloat16) for x in (qr, kr, v)]
+    features = call.features(*args16, pos, pos, platform="gpu")
+    if cudnn.misfit(features) or cudnn.auto_misfit(features):
+      continue  # auto does not send this encoding to cuDNN
+
+    def loss_grads(fn, args, call=call):
+      def loss(q, k, v):
+        return (fn(q, k, v, pos, pos, call).astype(jnp.float32) * cot).sum()
+
+      return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(*args)
+
+    got = loss_grads(kernel, args16)
+    want = loss_grads(reference_attention, [x.astype(jnp.float32) for x in args16])
+    err = lambda a, b: float(jnp.abs(a.astype(jnp.float32) - b).max() / jnp.abs(b).max())  # noqa: E731
+    loss_err = err(got[0], want[0])
+    grad_err = max(err(a, b) for a, b in zip(got[1], want[1], strict=True))
+    rows.append(_row(f"cudnn {kind}: loss rel err", loss_err, "bf16 vs float32 oracle"))
+    rows.append(_row(f"cudnn {kind}: grad rel err", grad_err, "max over q, k, v"))
+  return rows
+
+
+# The cuDNN adapter in bfloat16 against the float32 oracle, relative to the largest magnitude (the
+# conformance test's bfloat16 tolerance).
+BF16_TOLERANCE = 3e-2
+QUICKSTART_CPU = "step 700 train_loss 1.3552, eval_loss 1.4653 on a CPU"
+
+
+def part_quickstart(sizes):
+  overrides = {}
+  if FLAGS.smoke:
+    overrides = {"model.num_layers": 1, "train.num_train_steps": 2,
+                 "train.eval_max_tokens": 1024, "train.checkpoint_every_steps": 0}  # fmt: skip
+  with tempfile.TemporaryDirectory() as tmp:
+    start = time.perf_counter()
+    done = subprocess.run(
+      _train_cmd("quickstart.py", tmp, overrides), capture_output=True, text=True, timeout=600
+    )
+    seconds = time.perf_counter() - start
+    if done.returncode:
+      raise RuntimeError("train.py failed: " + done.stderr[-500:])
+    with open(os.path.join(tmp, "metrics.jsonl")) as f:
+      records = [json.loads(line) for line in f]
+  last = lambda key: [r[key] for r in records if key in r][-1]  # noqa: E731
+  return [
+    _row("quickstart s", seconds, "train.py, train and evaluation"),
+    _row("quickstart train_loss", last("train_loss"), QUICKSTART_CPU),
+    _row("quickstart eval_loss", last("eval_loss"), ""),
+  ]
+
+
+# name: (function, the packages it needs, its time limit in seconds)
+PARTS = {
+  "throughput": (part_throughput, ("ml_collections",), 150),
+  "hf_eager": (part_hf_eager, ("ml_collections", "torch", "transformers"), 90),
+  "hf_compile": (part_hf_compile, ("ml_collections", "torch", "transformers"), 150),
+  "long_context": (part_long_context, ("ml_collections",), 120),
+  "first_step": (part_first_step, ("ml_collections", "datasets"), 300),
+  "cudnn": (part_cudnn, (), 120),
+  "quickstart": (part_quickstart, ("ml_collections", "datasets"), 240),
+}
+
+
+# ---- The table ----
+
+
+def _row(metric: str, value, note: str = "") -> dict:
+  return {"metric": metric, "value": value, "note": note}
+
+
+def _format(part: str, row: dict) -> str:
+  value = row["value"]
+  if isinstance(value, float):
+    text = f"{value:.2e}" if abs(value) < 1e-2 and value else f"{value:,.3f}"
+    if "MFU" in row["metric"]:
+      text = f"{100 * value:.1f}%"
+  else:
+    text = "-" if value is None else str(value)
+  return f"| {part:<12} | {row['metric']:<40} | {text:>14} | {row['note']} |"
+
+
+def _missing(modules) -> list[str]:
+  return [m for m in modules if importlib.util.find_spec(m) is None]
+
+
+def _run_part(name: str, limit: float) -> tuple[str, list[dict]]:
+  """(status, rows) of one part, run in a child process within `limit` seconds."""
+  cmd = [sys.executable, "-m", "benchmarks.gpu_check", f"--serve={name}"]
+  cmd += ["--smoke"] if FLAGS.smoke else []
+  try:
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=limit, cwd=REPO)
+  except subprocess.TimeoutExpired:
+    return f"timed out after {limit:.0f} s", []
+  for line in done.stdout.splitlines():
+    if line.startswith("@@rows "):
+      return "ok", json.loads(line[len("@@rows ") :])
+  last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+  return f"failed: {last[:160]}", []
+
+
+def check_smoke(results: dict) -> list[str]:
+  """What is wrong with a --smoke table: a part that neither ran nor was skipped for a missing
+  package, a part with no rows, a value that is not a finite number (memory may be unknown), a
+  cuDNN relative error past bfloat16's tolerance."""
+  problems = []
+  for name, result in results.items():
+    status = result["status"]
+    if status.startswith("skipped: needs"):
+      continue
+    if status != "ok":
+      problems.append(f"{name}: {status}")
+    elif not result["rows"]:
+      problems.append(f"{name}: no rows")
+    for row in result["rows"]:
+      value = row["value"]
+      if value is None and "memory" in row["metric"]:
+        continue
+      if not isinstance(value, int | float) or not math.isfinite(value):
+        problems.append(f"{name}: {row['metric']} = {value!r}")
+      elif "rel err" in row["metric"] and value > BF16_TOLERANCE:
+        problems.append(f"{name}: {row['metric']} = {value:.2e} > {BF16_TOLERANCE}")
+  return problems
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  sizes = SMOKE if FLAGS.smoke else FULL
+  if FLAGS.serve:
+    rows = PARTS[FLAGS.serve][0](sizes)
+    print("@@rows " + json.dumps(rows), flush=True)
+    return
+  names = FLAGS.parts or list(PARTS)
+  if unknown := [n for n in names if n not in PARTS]:
+    raise app.UsageError(f"--parts: unknown {', '.join(unknown)}; known: {', '.join(PARTS)}")
+  start = time.perf_counter()
+  results = {}
+  print(f"| {'part':<12} | {'metric':<40} | {'value':>14} | note |", flush=True)
+  for name in names:
+    _, needs, limit = PARTS[name]
+    left = FLAGS.budget - (time.perf_counter() - start)
+    if missing := _missing(needs):
+      status = f"skipped: needs {', '.join(missing)} (not installed)"
+      rows = []
+    elif left < 10:
+      status, rows = "skipped: out of the run's time budget", []
+    else:
+      part_start = time.perf_counter()
+      status, rows = _run_part(name, min(limit, left))
+      rows.append(_row("part s", time.perf_counter() - part_start, f"limit {min(limit, left):.0f}"))
+    results[name] = {"status": status, "rows": rows}
+    for row in rows:
+      print(_format(name, row), flush=True)
+    if status != "ok":
+      print(f"| {name:<12} | {status}", flush=True)
+  total = time.perf_counter() - start
+  print(f"total {total:.0f} s", flush=True)
+  if FLAGS.json:
+    with open(FLAGS.json, "w") as f:
+      json.dump({"smoke": FLAGS.smoke, "seconds": total, "parts": results}, f, indent=2)
+  if FLAGS.smoke and (problems := check_smoke(results)):
+    print("smoke check failed:\n  " + "\n  ".join(problems), file=sys.stderr)
+    sys.exit(1)
+
+
+if __name__ == "__main__":
+  app.run(main)
