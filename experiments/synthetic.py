@@ -23,6 +23,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import sys
 import time
 
 from absl import app, flags, logging
@@ -496,4 +497,7 @@ def summarize(out: str) -> int:
 
 
 if __name__ == "__main__":
+  # experiments/page_values.py imports this module by name (summarize refreshes the page): it must
+  # be this one, not a second copy that defines the flags again.
+  sys.modules.setdefault("experiments.synthetic", sys.modules[__name__])
   app.run(main)
