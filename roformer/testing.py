@@ -219,10 +219,16 @@ def _compilation_cache_dir() -> str:
 
 def tiny_config(overrides: dict | None = None, config_file: str = "configs/default.py"):
   """The ConfigDict of `config_file` with TINY_TRAIN and `overrides` (dotted names) applied."""
+  return config_file_with(config_file, {**TINY_TRAIN, **(overrides or {})})
+
+
+def config_file_with(config_file: str, overrides: dict):
+  """The ConfigDict of the repository's `config_file` with `overrides` (dotted names) applied,
+  as train.py's `--config=FILE --config.NAME=VALUE` gives it."""
   spec = importlib.util.spec_from_file_location("config_module", REPO / config_file)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  return set_fields(module.get_config(), {**TINY_TRAIN, **(overrides or {})})
+  return set_fields(module.get_config(), overrides)
 
 
 def set_fields(config, overrides: dict):

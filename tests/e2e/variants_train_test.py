@@ -1,15 +1,17 @@
-"""Each attention variant trains through train.py by config alone and eval.py scores it at 4L."""
+"""Each attention variant trains by config alone (a config file and dotted overrides, as
+train.py's flags give them) and evaluation scores it at 4L. In one process: train.py's and
+eval.py's own flag handling is tested in tests/e2e/train_cli_test.py and eval_cli_test.py."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from roformer.testing import REPO
+from roformer import testing
+from roformer.evals import ppl_vs_length
+from roformer.evals import spec as spec_lib
+from roformer.train import loop as train_loop
 
 SEQ_LEN = 16
 
@@ -55,27 +57,20 @@ def test_variant_trains_and_evaluates_at_four_times_the_training_length(tmp_path
   workdir = tmp_path / name
   overrides = {
     "model.num_layers": 2, "model.emb_dim": 32, "model.num_heads": 2, "model.mlp_dim": 64,
-    "data.source": "files", "data.files": tmp_path / "text" / "train.txt",
-    "data.validation_files": tmp_path / "text" / "valid.txt", "data.cache_dir": tmp_path / "c",
+    "data.source": "files", "data.files": str(tmp_path / "text" / "train.txt"),
+    "data.validation_files": str(tmp_path / "text" / "valid.txt"),
+    "data.cache_dir": str(tmp_path / "c"),
     "data.seq_len": SEQ_LEN, "train.global_batch_size": 4, "train.num_train_steps": 6,
     "train.log_every_steps": 3, "train.eval_every_steps": 6, "train.eval_max_tokens": 128,
     "train.checkpoint_every_steps": 6, "optim.warmup_steps": 1, **VARIANTS[name],
   }  # fmt: skip
-  config = overrides.pop("config", "configs/default.py")
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
-
-  def run(*args):
-    proc = subprocess.run(
-      [sys.executable, *map(str, args)], capture_output=True, text=True, env=env, cwd=REPO,
-      timeout=600,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-
-  run(REPO / "train.py", f"--config={config}", f"--workdir={workdir}",
-      *[f"--config.{k}={v}" for k, v in overrides.items()])  # fmt: skip
+  config = testing.config_file_with(overrides.pop("config", "configs/default.py"), overrides)
+  train_loop.train_and_evaluate(config, str(workdir))
   lines = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
   assert np.isfinite([x["train_loss"] for x in lines if "train_loss" in x]).all()
-  run(REPO / "eval.py", f"--workdir={workdir}", f"--lengths={4 * SEQ_LEN}",
-      "--protocol=nonoverlapping", "--max_tokens=256", "--out=at_4x")  # fmt: skip
+  spec = spec_lib.spec_from_options(
+    lengths=[4 * SEQ_LEN], protocol="nonoverlapping", max_tokens=256, out="at_4x"
+  )
+  ppl_vs_length.evaluate_workdir(workdir, spec, log=lambda line: None)
   (record,) = json.loads((workdir / "eval" / "at_4x.json").read_text())["records"]
   assert record["length"] == 4 * SEQ_LEN and np.isfinite(record["loss"]), record
