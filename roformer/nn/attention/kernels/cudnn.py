@@ -55,8 +55,10 @@ def cudnn_attention(
   q_BLHK, k_BSGK, v_BSGV, qpos_BL, kpos_BS, call: AttentionCall, *, implementation="cudnn"
 ):
   """Self-attention through `jax.nn.dot_product_attention`; args and returns as
-  `dense_attention`. Causal attention and causal sliding windows go to cuDNN as such (it skips
-  the masked blocks); segments and every other window as a boolean mask on positions.
+  `dense_attention`. Causal attention and causal sliding windows go to cuDNN as such, with no
+  mask (its causal kernel skips the masked blocks); segments and every other window as a
+  boolean mask on positions. Only packed batches carry segment ids, so an unpacked run's calls
+  take the unmasked kernels.
 
   `implementation="xla"` (`emulated`) runs the same call through XLA's implementation, which has
   none of cuDNN's limits (the hardware is not checked)."""
