@@ -320,7 +320,7 @@ def _format(part: str, row: dict) -> str:
       text = f"{100 * value:.1f}%"
   else:
     text = "-" if value is None else str(value)
-  return f"| {part:<12} | {row['metric']:<40} | {text:>14} | {row['note']} |"
+  return f"| {part:<12} | {row['metric']:<50} | {text:>14} | {row['note']} |"
 
 
 def _missing(modules) -> list[str]:
@@ -394,7 +394,7 @@ def main(argv):
   start = time.perf_counter()
   results = {}
   shared_cache = tempfile.mkdtemp(prefix="gpu_check_xla_")
-  print(f"| {'part':<12} | {'metric':<40} | {'value':>14} | note |", flush=True)
+  print(f"| {'part':<12} | {'metric':<50} | {'value':>14} | note |", flush=True)
   for name in names:
     _, needs, limit = PARTS[name]
     left = FLAGS.budget - (time.perf_counter() - start)
