@@ -260,7 +260,7 @@ def run_script(script: str, *args: str, timeout: int = 300) -> subprocess.Comple
 
 def subprocess_env(devices: int = 1, **extra: str) -> dict:
   """The environment of a test's subprocess: `devices` CPU devices, the parent's other XLA flags
-  (scripts/test.sh's optimisation level), one compilation cache per test session."""
+  (a user's XLA_FLAGS), one compilation cache per test session."""
   env = dict(os.environ)
   flags = [
     f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f

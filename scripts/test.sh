@@ -5,17 +5,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 export JAX_PLATFORMS=cpu
-# The tests' programs are tiny, so their time is XLA compiling, not running: LLVM's optimisation
-# level 0 compiles about 40% faster and, without fast-math, computes the same floats. train.py
-# and the other CLIs run with XLA's defaults; a test's subprocesses inherit these flags
-# (roformer.testing.subprocess_env).
-export XLA_FLAGS="${XLA_FLAGS:---xla_backend_optimization_level=0}"
+# Token caches and compiled programs (train.py's persistent compilation cache) go to a directory
+# of this run, shared by every test process and removed at the end: the user's ~/.cache/roformer
+# is neither read nor written.
+logs=$(mktemp -d)
+trap 'rm -rf "$logs"' EXIT
+export ROFORMER_CACHE="$logs/cache"
 
 # One pytest process per group of test directories: a single process for the whole suite runs
 # out of memory maps. XLA compiles on one thread, so two streams of groups keep both cores busy;
 # the second stream's log prints when it ends. Every group runs; the script fails if any failed.
-logs=$(mktemp -d)
-trap 'rm -rf "$logs"' EXIT
 group() {  # group NAME PYTEST_ARGS...: run one group, record its exit status
   local name=$1
   shift
