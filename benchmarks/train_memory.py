@@ -24,8 +24,19 @@ flags.DEFINE_integer("steps", 2, "attention: timed steps per kernel (median).")
 flags.DEFINE_integer("remat_length", 8192, "remat: sequence length.")
 flags.DEFINE_string("remat_attention_impl", "auto", "remat: model.attention_impl.")
 flags.DEFINE_integer("deep_layers", 24, "compile: number of layers.")
+flags.DEFINE_bool(
+  "smoke", False, "SMOKE_MODEL instead of MODEL: CI's check that every table prints."
+)
 FLAGS = flags.FLAGS
 MIB = 1024**2
+# The model of the tables (the compile table sets its own depth); --smoke's for CI.
+MODEL = {"model.num_layers": 4, "model.emb_dim": 256, "model.num_heads": 4, "model.mlp_dim": 1024}
+SMOKE_MODEL = {
+  "model.num_layers": 2,
+  "model.emb_dim": 32,
+  "model.num_heads": 2,
+  "model.mlp_dim": 64,
+}
 
 
 def _run_config(**overrides):
@@ -34,10 +45,7 @@ def _run_config(**overrides):
 
   config = default.get_config()
   fields = {
-    "model.num_layers": 4,
-    "model.emb_dim": 256,
-    "model.num_heads": 4,
-    "model.mlp_dim": 1024,
+    **(SMOKE_MODEL if FLAGS.smoke else MODEL),
     "train.global_batch_size": FLAGS.batch,
     "optim.warmup_steps": 0,
     **overrides,

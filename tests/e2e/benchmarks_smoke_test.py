@@ -62,7 +62,7 @@ CASES = {
     ],
   ),
   "train_memory": (
-    ["--lengths=64", "--remat_length=128", "--deep_layers=2", "--steps=1"],
+    ["--smoke", "--lengths=64", "--remat_length=128", "--deep_layers=2", "--steps=1"],
     [
       r"^\| 64 \| dense \| [\d.]+ \|",
       r"^\| 64 \| chunked \| [\d.]+ \|",
