@@ -32,22 +32,44 @@ from configs import arms, default
 from experiments import grid
 
 FLAGS = flags.FLAGS
-flags.DEFINE_enum("scale", "cpu", ["tiny", "cpu"], "Grid size (see SCALES); cpu is committed.")
-flags.DEFINE_list(
-  "only",
-  [],
-  "Run only the runs whose name contains one of these substrings; a trailing $ anchors the end "
-  "(copy/rope$ is copy/rope without copy/rope+randomized).",
-)
-flags.DEFINE_string(
-  "out", "", "Output directory; default results/synthetic (cpu) or a temp directory (tiny)."
-)
-flags.DEFINE_string(
-  "workdir_root", "", "Where training workdirs go; default a directory of OUT's own in the cache."
-)
-flags.DEFINE_bool(
-  "adopt", False, "Record today's settings in run JSONs written before runs recorded them."
-)
+
+
+def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
+  """The grid's flags, defined when it runs (`python -m experiments.synthetic`) and not on import:
+  the results pages and the benchmarks import this module beside flags of their own."""
+  flags.DEFINE_enum(
+    "scale",
+    "cpu",
+    ["tiny", "cpu"],
+    "Grid size (see SCALES); cpu is committed.",
+    flag_values=flag_values,
+  )
+  flags.DEFINE_list(
+    "only",
+    [],
+    "Run only the runs whose name contains one of these substrings; a trailing $ anchors the end "
+    "(copy/rope$ is copy/rope without copy/rope+randomized).",
+    flag_values=flag_values,
+  )
+  flags.DEFINE_string(
+    "out",
+    "",
+    "Output directory; default results/synthetic (cpu) or a temp directory (tiny).",
+    flag_values=flag_values,
+  )
+  flags.DEFINE_string(
+    "workdir_root",
+    "",
+    "Where training workdirs go; default a directory of OUT's own in the cache.",
+    flag_values=flag_values,
+  )
+  flags.DEFINE_bool(
+    "adopt",
+    False,
+    "Record today's settings in run JSONs written before runs recorded them.",
+    flag_values=flag_values,
+  )
+
 
 # Every encoding of the registry, plus p-RoPE (configs/arms.py `prope`: RoPE with its lowest
 # quarter of frequencies off).
@@ -497,6 +519,7 @@ def summarize(out: str) -> int:
 
 
 if __name__ == "__main__":
+  define_flags()
   # experiments/page_values.py imports this module by name (summarize refreshes the page): it must
   # be this one, not a second copy that defines the flags again.
   sys.modules.setdefault("experiments.synthetic", sys.modules[__name__])

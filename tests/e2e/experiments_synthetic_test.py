@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from absl import flags
 
 from configs import arms
 from experiments import synthetic
@@ -165,4 +166,6 @@ def test_a_typo_in_only_and_a_smoke_grid_into_results_are_refused(tmp_path):
 
 
 def test_the_committed_scale_is_the_default():
-  assert synthetic.FLAGS["scale"].default == "cpu"
+  values = flags.FlagValues()
+  synthetic.define_flags(values)  # the grid's flags, on a FlagValues of their own
+  assert values["scale"].default == "cpu"
