@@ -168,6 +168,29 @@ def split_blocks(x_BT, block, value=0):
   return jnp.moveaxis(x_BT.reshape(B, n, block, *x_BT.shape[2:]), 1, 0)
 
 
+@jax.custom_jvp
+def row_max(s_BGRqk):
+  """The max over the keys [B, G, R, q], differentiated as `jnp.max` (the tangent shared evenly
+  by the logits equal to the max) but finite when no logit equals it.
+
+  That happens when XLA recomputes the logits in more than one fused kernel and the copies round
+  differently: XLA:CPU at --xla_backend_optimization_level=0 fuses q.k / sqrt(K) + bias into one
+  FMA in some kernels and not in others, so the max taken in one kernel can match no logit
+  recomputed in another, and `jnp.max`'s derivative divides by zero ties (inf, then NaN in every
+  gradient). The online softmax's output does not depend on the max, so dropping that row's
+  tangent changes the gradients by rounding only."""
+  return s_BGRqk.max(axis=-1)
+
+
+@row_max.defjvp
+def _row_max_jvp(primals, tangents):
+  (s_BGRqk,), (t_BGRqk,) = primals, tangents
+  m_BGRq = s_BGRqk.max(axis=-1)
+  hit_BGRqk = (s_BGRqk == m_BGRq[..., None]).astype(t_BGRqk.dtype)
+  ties_BGRq = jnp.maximum(hit_BGRqk.sum(axis=-1), 1.0)  # >= 1 whenever the copies agree
+  return m_BGRq, (t_BGRqk * hit_BGRqk).sum(axis=-1) / ties_BGRq
+
+
 # ---- The blockwise kernel's body, shared by the chunked and banded kernels ----
 # Carry of the online softmax over key blocks, per query block: (m_BGRq running max of the
 # logits, l_BGRq running sum of exp(logit - m), acc_BGRqV running sum of exp(logit - m) v).
@@ -208,7 +231,7 @@ def online_softmax_step(
   kernels that compute them otherwise (piecewise positions)."""
   m_BGRq, l_BGRq, acc_BGRqV = carry
   s_BGRqk = jnp.where(mask_B11qk, s_BGRqk, NEG)
-  m_new_BGRq = jnp.maximum(m_BGRq, s_BGRqk.max(axis=-1))
+  m_new_BGRq = jnp.maximum(m_BGRq, row_max(s_BGRqk))
   p_BGRqk = jnp.where(mask_B11qk, jnp.exp(s_BGRqk - m_new_BGRq[..., None]), 0.0)
   correction_BGRq = jnp.exp(m_BGRq - m_new_BGRq)
   l_new_BGRq = l_BGRq * correction_BGRq + p_BGRqk.sum(axis=-1)
