@@ -12,7 +12,7 @@ import math
 import jax.numpy as jnp
 
 from roformer.nn.attention.call import AttentionCall
-from roformer.nn.attention.primitives import NEG, attention_mask, check_ranks, dropout
+from roformer.nn.attention.primitives import NEG, attention_mask, check_ranks, dropout, row_max
 
 
 def reference_attention(q_BLHK, k_BSGK, v_BSGV, qpos_BL, kpos_BS, call: AttentionCall):
@@ -48,7 +48,7 @@ def reference_attention(q_BLHK, k_BSGK, v_BSGV, qpos_BL, kpos_BS, call: Attentio
   if call.content_bias_fn is not None:
     s_BHLS = s_BHLS + call.content_bias_fn(q_BLHK, k_BSGK, allowed_BLS).astype(jnp.float32)
   s_BHLS = jnp.where(allowed_BLS[:, None], s_BHLS, NEG)
-  m_BHL1 = s_BHLS.max(axis=-1, keepdims=True)
+  m_BHL1 = row_max(s_BHLS)[..., None]
   sink_1H11 = None
   if call.sink_H is not None:
     sink_1H11 = call.sink_H.astype(jnp.float32)[None, :, None, None]

@@ -2,7 +2,7 @@
 
 Dimension legend: B batch, L query length, S key length, H query heads, G key/value heads,
 R = H // G query heads per key/value head, K query/key head dim, V value head dim (K = V unless
-the encoding widens queries and keys, as PoPE does to 2V).
+the encoding widens queries and keys, as PoPE does to 2V), X any leading axes.
 """
 
 import math
@@ -169,26 +169,26 @@ def split_blocks(x_BT, block, value=0):
 
 
 @jax.custom_jvp
-def row_max(s_BGRqk):
-  """The max over the keys [B, G, R, q], differentiated as `jnp.max` (the tangent shared evenly
-  by the logits equal to the max) but finite when no logit equals it.
+def row_max(s_XS):
+  """The max of logits [..., S] over the keys (the last axis), differentiated as `jnp.max` (the
+  tangent shared evenly by the logits equal to the max) but finite when no logit equals it.
 
   That happens when XLA recomputes the logits in more than one fused kernel and the copies round
   differently: XLA:CPU at --xla_backend_optimization_level=0 fuses q.k / sqrt(K) + bias into one
   FMA in some kernels and not in others, so the max taken in one kernel can match no logit
   recomputed in another, and `jnp.max`'s derivative divides by zero ties (inf, then NaN in every
-  gradient). The online softmax's output does not depend on the max, so dropping that row's
-  tangent changes the gradients by rounding only."""
-  return s_BGRqk.max(axis=-1)
+  gradient). A softmax does not depend on the max it subtracts, so dropping that row's tangent
+  changes the gradients by rounding only."""
+  return s_XS.max(axis=-1)
 
 
 @row_max.defjvp
 def _row_max_jvp(primals, tangents):
-  (s_BGRqk,), (t_BGRqk,) = primals, tangents
-  m_BGRq = s_BGRqk.max(axis=-1)
-  hit_BGRqk = (s_BGRqk == m_BGRq[..., None]).astype(t_BGRqk.dtype)
-  ties_BGRq = jnp.maximum(hit_BGRqk.sum(axis=-1), 1.0)  # >= 1 whenever the copies agree
-  return m_BGRq, (t_BGRqk * hit_BGRqk).sum(axis=-1) / ties_BGRq
+  (s_XS,), (t_XS,) = primals, tangents
+  m_X = s_XS.max(axis=-1)
+  hit_XS = (s_XS == m_X[..., None]).astype(t_XS.dtype)
+  ties_X = jnp.maximum(hit_XS.sum(axis=-1), 1.0)  # >= 1 whenever the copies agree
+  return m_X, (t_XS * hit_XS).sum(axis=-1) / ties_X
 
 
 # ---- The blockwise kernel's body, shared by the chunked and banded kernels ----

@@ -21,6 +21,7 @@ from roformer.nn.attention.primitives import (
   attention_mask,
   check_ranks,
   dropout,
+  row_max,
 )
 
 
@@ -190,7 +191,7 @@ def _probabilities(s_BGRLS, sink_GR):
   if sink_GR is None:
     return jax.nn.softmax(s_BGRLS, axis=-1)
   sink_1GR11 = sink_GR[None, :, :, None, None]
-  m_BGRL1 = jnp.maximum(s_BGRLS.max(axis=-1, keepdims=True), sink_1GR11)
+  m_BGRL1 = jnp.maximum(row_max(s_BGRLS)[..., None], sink_1GR11)
   e_BGRLS = jnp.exp(s_BGRLS - m_BGRL1)
   return e_BGRLS / (e_BGRLS.sum(axis=-1, keepdims=True) + jnp.exp(sink_1GR11 - m_BGRL1))
 
