@@ -17,28 +17,34 @@ logs=$(mktemp -d)
 trap 'rm -rf "$logs"' EXIT
 export ROFORMER_CACHE="$logs/cache"
 
-# One pytest process per group of test directories: a single process for the whole suite runs
-# out of memory maps. XLA compiles on one thread, so two streams of groups keep both cores busy;
-# the second stream's log prints when it ends. Every group runs; the script fails if any failed.
-group() {  # group NAME PYTEST_ARGS...: run one group, record its exit status
-  local name=$1
+# One pytest process per group of tests: a single process for the whole suite runs out of memory
+# maps (docs/testing.md). XLA compiles on one thread, so two groups run at a time, the longest
+# first, each printing its log when it ends. Every group runs; the script fails if any failed.
+GRIDS="tests/e2e/experiments_test.py tests/e2e/experiments_synthetic_test.py tests/e2e/rerun_test.py"
+CONFORMANCE=tests/nn/attention/conformance_test.py
+groups=(
+  "e2e tests/e2e $(printf -- '--ignore=%s ' $GRIDS)"
+  "grids $GRIDS"
+  "nn tests/nn --ignore=$CONFORMANCE"
+  "conformance $CONFORMANCE"
+  "rest tests --ignore=tests/nn --ignore=tests/posenc --ignore=tests/train --ignore=tests/infra --ignore=tests/e2e"
+  "train tests/train"
+  "posenc tests/posenc"
+  "infra tests/infra"
+)
+group() {  # group NAME PYTEST_ARGS...: run one group, print its log when it ends
+  local name=$1 start=$SECONDS status=passed
   shift
-  python -m pytest -q -ra --durations=20 "$@" || echo "$name" >>"$logs/failed"
+  python -m pytest -q -ra --durations=20 "$@" >"$logs/$name.log" 2>&1 || status=FAILED
+  [[ $status == passed ]] || echo "$name" >>"$logs/failed"
+  flock "$logs/print" bash -c 'echo "===== $1: $2 in $3 s ====="; cat "$4"' _ \
+    "$name" "$status" "$((SECONDS - start))" "$logs/$name.log"
 }
-(group e2e tests/e2e "$@") >"$logs/e2e.log" 2>&1 &
-e2e=$!
-{
-  group nn tests/nn "$@"
-  group posenc tests/posenc "$@"
-  group train tests/train "$@"
-  group infra tests/infra "$@"
-  group rest tests --ignore=tests/nn --ignore=tests/posenc --ignore=tests/train \
-    --ignore=tests/infra --ignore=tests/e2e "$@"
-}
-wait "$e2e" || echo "e2e (the stream itself)" >>"$logs/failed"
-echo "===== tests/e2e ====="
-cat "$logs/e2e.log"
+export -f group
+export logs
+printf '%s\n' "${groups[@]}" | xargs -P 2 -I{} bash -c 'group {} "$@"' _ "$@"
 if [[ -s "$logs/failed" ]]; then
   echo "failed groups: $(tr '\n' ' ' <"$logs/failed")"
   exit 1
 fi
+echo "every group passed"
