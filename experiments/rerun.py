@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import pathlib
 import sys
 import tempfile
@@ -138,10 +139,16 @@ def rerun_synthetic(parser, args, record: dict) -> float:
   result = synthetic.score(str(workdir / "run"), spec)
   worst = 0.0
   new_by_length = {r["length"]: r for r in result["records"]}
+  if set(new_by_length) != {r["length"] for r in record["records"]}:
+    print(f"  lengths differ: recorded {[r['length'] for r in record['records']]}, "
+          f"rerun {sorted(new_by_length)}")  # fmt: skip
+    worst = math.inf
   for old in record["records"]:
-    new = new_by_length[old["length"]]
+    new = new_by_length.get(old["length"], {"skipped": "not scored"})
     if "skipped" in old or "skipped" in new:
       print(f"  n={old['length']}: skipped ({old.get('skipped')} / {new.get('skipped')})")
+      if ("skipped" in old) != ("skipped" in new):  # scored on one side only: a difference
+        worst = math.inf
       continue
     cells = []
     for metric in ("exact_match", "token_accuracy"):

@@ -61,7 +61,8 @@ def enable(directory: str) -> str:
 
 
 def enable_from_flags(values: flags.FlagValues, cache_root: str) -> str | None:
-  """`enable` as the flags say: in --compilation_cache_dir, else `cache_root`/xla.
+  """`enable` as the flags say: in --compilation_cache_dir, else $JAX_COMPILATION_CACHE_DIR, else
+  `cache_root`/xla.
 
   With --nocompilation_cache the cache is off, also where $JAX_COMPILATION_CACHE_DIR would
   turn it on, and None is returned.
@@ -71,4 +72,5 @@ def enable_from_flags(values: flags.FlagValues, cache_root: str) -> str | None:
 
     jax.config.update("jax_enable_compilation_cache", False)
     return None
-  return enable(values.compilation_cache_dir or os.path.join(cache_root, SUBDIR))
+  directory = values.compilation_cache_dir or os.environ.get("JAX_COMPILATION_CACHE_DIR")
+  return enable(directory or os.path.join(cache_root, SUBDIR))

@@ -27,8 +27,9 @@ print(json.dumps({"dir": directory, "hits": events.count("/jax/compilation_cache
 """
 
 
-def _cli(root, *args) -> dict:
+def _cli(root, *args, jax_dir: str = "") -> dict:
   env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+  env.update({"JAX_COMPILATION_CACHE_DIR": jax_dir} if jax_dir else {})
   done = subprocess.run(
     [sys.executable, "-c", _SCRIPT, str(root), *args],
     capture_output=True, text=True, timeout=120, env={**env, "JAX_PLATFORMS": "cpu"},
@@ -69,3 +70,11 @@ def test_nocompilation_cache_writes_nothing(tmp_path, monkeypatch):
   assert json.loads(done.stdout.strip().splitlines()[-1]) == {"dir": None, "hits": 0}
   assert not (tmp_path / "root").exists()
   assert not env_cache.exists() or not _entries(env_cache)
+
+
+def test_jax_compilation_cache_dir_is_used_when_no_flag_names_a_directory(tmp_path):
+  got = _cli(tmp_path / "root", jax_dir=str(tmp_path / "env"))
+  assert got["dir"] == str(tmp_path / "env") and _entries(got["dir"])
+  assert not (tmp_path / "root").exists()
+  flag = _cli(tmp_path / "root", f"--compilation_cache_dir={tmp_path / 'flag'}", jax_dir="x")
+  assert flag["dir"] == str(tmp_path / "flag")  # the flag first
