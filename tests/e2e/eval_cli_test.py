@@ -20,7 +20,7 @@ from roformer import config as config_lib
 from roformer import runs, testing
 from roformer.evals import ppl_vs_length, results, spec
 from roformer.evals.effective_length import EffectiveRule, perplexity_effective_lengths
-from roformer.infra import checkpoint
+from roformer.infra import checkpoint, compile_cache, cpu_flags
 from roformer.nn.model import make_model
 from roformer.testing import REPO
 
@@ -348,8 +348,11 @@ def test_evaluate_workdir_resolves_a_relative_workdir(rope_run, monkeypatch):
     ),
   ],
 )
-def test_eval_cli_bad_flag_combinations_exit_with_one_line(rope_run, args, expected):
+def test_eval_cli_bad_flag_combinations_exit_with_one_line(rope_run, args, expected, monkeypatch):
   _evaluate(rope_run, lengths=[32], protocol="nonoverlapping", overwrite=True)
+  # What main sets for a process of its own (CPU flags, the compilation cache) stays unset here.
+  monkeypatch.setattr(cpu_flags, "set_default_cpu_flags", lambda: False)
+  monkeypatch.setattr(compile_cache, "enable_from_flags", lambda *args: None)
   error = _main_error(*(a.replace("DIR", str(rope_run)) for a in args))
   assert error.startswith("eval.py: error: ") and "\n" not in error and expected in error, error
 
@@ -373,11 +376,11 @@ def _eval_cli():
 
 def _main_error(*args) -> str:
   """The message eval.py's main exits with for `args` (flag errors: absl's own message), parsed
-  and run in this process; no compilation cache is turned on."""
+  and run in this process."""
   cli = _eval_cli()
   cli.FLAGS.unparse_flags()
   try:
-    cli.FLAGS(["eval.py", "--nocompilation_cache", *args])
+    cli.FLAGS(["eval.py", *args])
   except flags.Error as e:
     return f"eval.py: error: {e}"
   try:
