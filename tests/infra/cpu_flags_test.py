@@ -94,6 +94,8 @@ def test_user_malloc_settings_win(monkeypatch):
 def test_libtpu_without_a_tpu_chip_counts_as_cpu_only(monkeypatch, attached):
   monkeypatch.delenv("JAX_PLATFORMS", raising=False)
   monkeypatch.delenv("JAX_FORCE_TPU_INIT", raising=False)
+  # set_default_cpu_flags may set XLA_FLAGS: monkeypatch puts the variable back afterwards.
+  monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
   monkeypatch.setattr(cpu_flags, "keep_freed_host_memory", lambda: True)  # not this process
   installed = {"libtpu"}
   monkeypatch.setattr(
