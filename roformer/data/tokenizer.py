@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -267,8 +268,9 @@ def _train_wordpiece(texts: Iterator[list[str]], vocab_size: int) -> hf_tokenize
   sorted order and is deterministic. So each word is written with its non-initial characters
   replaced by private-use twins (the "##" symbols as characters of their own), a plain BPE is
   trained on those words, and its vocabulary is mapped back to WordPiece pieces ("##" + the
-  characters of a piece that starts with a twin): the same vocabulary WordPieceTrainer trains,
-  with ids in a fixed order. Whitespace is not preserved, so decode is approximate.
+  characters of a piece that starts with a twin): the vocabulary WordPieceTrainer trains, with
+  its ties broken and its ids in a fixed order. Whitespace is not preserved, so decode is
+  approximate.
   """
   tok = hf_tokenizers.Tokenizer(models.WordPiece(unk_token="[UNK]"))
   tok.normalizer = normalizers.BertNormalizer(lowercase=False, strip_accents=False)
@@ -280,7 +282,13 @@ def _train_wordpiece(texts: Iterator[list[str]], vocab_size: int) -> hf_tokenize
       for word, _ in tok.pre_tokenizer.pre_tokenize_str(tok.normalizer.normalize_str(text)):
         words[word] = words.get(word, 0) + 1
   alphabet = sorted({c for word in words for c in word})
-  to_twin = dict(zip(alphabet, _private_use_chars(exclude=set(alphabet)), strict=False))
+  twins = list(itertools.islice(_private_use_chars(exclude=set(alphabet)), len(alphabet)))
+  if len(twins) < len(alphabet):
+    raise DataError(
+      f"the text has {len(alphabet):,} distinct characters, more than the {len(twins):,} "
+      "private-use characters the WordPiece training maps them to: use data.tokenizer=bpe or bytes"
+    )
+  to_twin = dict(zip(alphabet, twins, strict=True))
   from_twin = {twin: c for c, twin in to_twin.items()}
   # A plain BPE over single words: no normalizer or pre-tokenizer, each sequence is one word.
   bpe = hf_tokenizers.Tokenizer(models.BPE())
