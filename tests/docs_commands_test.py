@@ -124,8 +124,7 @@ def _parse_all(commands: list[list[str]], hf_dir: str) -> list[str]:
     parse_args(self, args, namespace)
     raise _Parsed
 
-  sys.path.insert(0, str(REPO))
-  os.chdir(REPO)
+  os.chdir(REPO)  # the repository's modules import from PYTHONPATH (the test sets it)
   app.define_help_flags()  # as app.run does (--help, --helpfull, ...), once
   baseline = set(fv)
   results = []
@@ -209,7 +208,12 @@ def parsed(tmp_path_factory) -> dict[tuple[str, ...], str]:
     input=json.dumps({"commands": commands, "hf_dir": str(hf_dir)}),
     capture_output=True,
     text=True,
-    env={**os.environ, "JAX_PLATFORMS": "cpu", "ROFORMER_CACHE": str(tmp_path / "cache")},
+    env={
+      **os.environ,
+      "JAX_PLATFORMS": "cpu",
+      "ROFORMER_CACHE": str(tmp_path / "cache"),
+      "PYTHONPATH": str(REPO),
+    },
     timeout=300,
     cwd=REPO,
   )
