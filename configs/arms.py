@@ -105,7 +105,7 @@ ARMS: dict[str, Arm] = {
     _rnope_swa,
   ),
   "qk_norm": Arm(
-    "QK-norm: RMSNorm per head on queries and keys, before RoPE (OLMo 2, Qwen 3)",
+    "QK-norm: RMSNorm per head on queries and keys, before RoPE (Qwen3, Gemma 3)",
     {"posenc.kind": "rope", "model.qk_norm": "rmsnorm"},
   ),
   "ssmax": Arm(

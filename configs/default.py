@@ -109,8 +109,10 @@ def get_config() -> ml_collections.ConfigDict:
   model.q_lora_rank = 0
   # mla: width of the rotary key shared by all heads (and of each query's rotary part).
   model.qk_rope_head_dim = 0
-  # QK-norm, per head over the head dim: "none"; "rmsnorm" (a learned scale, before RoPE, as
-  # OLMo 2, Qwen3 and Gemma 3); "l2" (no scale, after RoPE, as Llama 4). Softmax attention only.
+  # QK-norm: "none"; "rmsnorm" (per head over the head dim, a learned scale, before RoPE, as
+  # Qwen3 and Gemma 3); "rmsnorm_whole" (over the whole query and key projections before the
+  # heads are split, a learned scale, before RoPE, as OLMo 2); "l2" (per head, no scale, after
+  # RoPE, as Llama 4). Softmax attention only.
   model.qk_norm = "none"
   # Kinds of posenc.layer_pattern whose layers apply qk_norm ("" = every layer; Llama 4: "rope").
   model.qk_norm_kinds = ""

@@ -73,6 +73,7 @@ def test_cached_generation_equals_full_forward_for_softmax_variants(fields):
      dict(num_layers=3, attention_window_pattern="4,4,0", attention_window_kind="chunked",
           qk_norm="l2", qk_norm_kinds="rope")),  # iRoPE
     ("rope", dict(query_scale="logn", query_scale_len=4), dict(qk_norm="rmsnorm")),
+    ("rope", {}, dict(qk_norm="rmsnorm_whole", num_kv_heads=1)),  # OLMo 2's, over GQA keys
     ("rope", dict(query_scale="ssmax"), dict(attention_impl="chunked", attention_block=2)),
     ("rope", {}, dict(attention_sinks=True)),
     ("alibi", {}, dict(attention_sinks=True, attention_window_pattern="3,0",

@@ -81,7 +81,7 @@ class ModelConfig:
   kv_lora_rank: int = 0  # mla: latent width of keys and values
   q_lora_rank: int = 0  # mla: latent width of queries (0 = no query compression)
   qk_rope_head_dim: int = 0  # mla: width of the rotary key shared by all heads
-  qk_norm: str = "none"  # none | rmsnorm (per head, before RoPE) | l2 (after RoPE, Llama 4)
+  qk_norm: str = "none"  # none | rmsnorm (per head) | rmsnorm_whole (OLMo 2) | l2 (Llama 4)
   qk_norm_kinds: str = ""  # kinds of posenc.layer_pattern whose layers normalise; "" = all
   attention_sinks: bool = False  # a learned sink logit per query head (gpt-oss)
   forget_gate: bool = False  # FoX: a per-head forget gate decaying the logits (decoders)

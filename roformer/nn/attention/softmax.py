@@ -120,13 +120,13 @@ class Attention(nnx.Module):
       kernel_init=kernel_init((0, 1), 2, ("heads", "kv", "embed")),
       bias_init=nnx.with_partitioning(nnx.initializers.zeros, ("embed",)), **common,
     )  # fmt: skip
-    # Query and key transforms (qk_norm.py, query_scale.py): QK-norm per head, "rmsnorm" with a
-    # learned scale [K] for queries and one for keys; the layer's query temperature.
+    # Query and key transforms (qk_norm.py, query_scale.py): QK-norm, "rmsnorm" per head with a
+    # learned scale [K] for queries and one for keys, "rmsnorm_whole" over each whole projection
+    # with scales [H, K] and [G, K]; the layer's query temperature.
     self.qk_norm = spec.qk_norm
     self.norm_eps = cfg.norm_eps
-    rmsnorm = spec.qk_norm == "rmsnorm"
-    self.query_norm, self.key_norm = (
-      qk_norm_layers(K, cfg.norm_eps, dtype, param_dtype, rngs) if rmsnorm else (None, None)
+    self.query_norm, self.key_norm = qk_norm_layers(
+      spec.qk_norm, (H, G), K, cfg.norm_eps, dtype, param_dtype, rngs
     )
     self.query_scale = (
       None
@@ -279,9 +279,10 @@ class Attention(nnx.Module):
     return o_BLHK, cache
 
   def _encode(self, q_BLHK, k_BLGK, pos_BL, posenc, rotary_state, *, rotate=True):
-    """Queries and keys as the kernels see them: QK-norm "rmsnorm" (before rotation, as OLMo 2,
-    Qwen3 and Gemma 3), the encoding's rotation, QK-norm "l2" (after it, as Llama 4), then the
-    query temperature (after both, as Llama 4). Keys leave here as the cache stores them.
+    """Queries and keys as the kernels see them: QK-norm "rmsnorm" (per head, as Qwen3 and
+    Gemma 3) or "rmsnorm_whole" (over the whole projection, as OLMo 2), both before rotation, the
+    encoding's rotation, QK-norm "l2" (after it, as Llama 4), then the query temperature (after
+    both, as Llama 4). Keys leave here as the cache stores them.
 
     With `rotate=False` (piecewise positions, whose kernels rotate per piece) the rest still
     applies unchanged: the l2 norm and the temperature commute with a rotation."""

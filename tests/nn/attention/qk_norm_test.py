@@ -60,6 +60,51 @@ def test_rmsnorm_scales_before_the_rotation_and_l2_normalises_after_it():
   np.testing.assert_allclose(got_k, _rms_by_hand(rot_k, 1e-5), rtol=1e-5, atol=1e-6)
 
 
+def test_rmsnorm_whole_normalises_the_whole_projection_as_olmo2():
+  # OLMo 2: RMSNorm over q_proj(x) of H * K values (k_proj: G * K), a scale per value, before
+  # the heads are split and rotated.
+  rope = testing.build_posenc("rope", num_heads=4, head_dim=K)
+  q, k = _normal((2, 5, 4, K), 5), _normal((2, 5, 2, K), 6)
+  pos = testing.arange_positions(2, 5, start=3)
+  attn = _attention("rmsnorm_whole")
+  assert attn.query_norm.scale.shape == (4, K) and attn.key_norm.scale.shape == (2, K)
+  scale_q, scale_k = np.asarray(_normal((4, K), 7)), np.asarray(_normal((2, K), 8))
+  attn.query_norm.scale[...], attn.key_norm.scale[...] = jnp.asarray(scale_q), jnp.asarray(scale_k)
+  got_q, got_k = attn._encode(q, k, pos, rope, None)
+
+  def olmo2(x, scale):  # the flat projection [B, L, N * K], normalised, then split into heads
+    B, L, N, _ = x.shape
+    flat = np.asarray(x, np.float64).reshape(B, L, N * K)
+    return (_rms_by_hand(flat, 1e-5) * scale.reshape(N * K)).reshape(B, L, N, K)
+
+  want_q, want_k = rope.rotate(
+    jnp.asarray(olmo2(q, scale_q), jnp.float32), jnp.asarray(olmo2(k, scale_k), jnp.float32),
+    pos, pos,
+  )  # fmt: skip
+  np.testing.assert_allclose(got_q, want_q, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(got_k, want_k, rtol=1e-5, atol=1e-5)
+  # Negative control: per-head RMSNorm with the same scales gives other queries.
+  per_head_q, _ = rope.rotate(
+    jnp.asarray(_rms_by_hand(q, 1e-5) * scale_q, jnp.float32), k, pos, pos
+  )
+  assert not np.allclose(got_q, per_head_q, atol=1e-3)
+
+
+def test_per_head_rmsnorm_bounds_each_head_where_the_whole_projection_does_not():
+  # One head carries the query: per head it is brought to norm sqrt(K) like the others; over
+  # the whole projection (scales 1) it keeps almost all of the norm sqrt(H K) = 2 sqrt(K).
+  rope = testing.build_posenc("rope", num_heads=4, head_dim=K)
+  q = _normal((1, 3, 4, K), 9) * jnp.array([1e4, 1.0, 1.0, 1.0])[None, None, :, None]
+  k = _normal((1, 3, 2, K), 10)
+  pos = testing.arange_positions(1, 3)
+  per_head, _ = _attention("rmsnorm")._encode(q, k, pos, rope, None)
+  whole, _ = _attention("rmsnorm_whole")._encode(q, k, pos, rope, None)
+  np.testing.assert_allclose(np.linalg.norm(per_head, axis=-1), np.sqrt(K), rtol=1e-4)
+  head0 = np.linalg.norm(np.asarray(whole)[:, :, 0], axis=-1)
+  np.testing.assert_allclose(head0, 2 * np.sqrt(K), rtol=1e-4)
+  np.testing.assert_allclose(np.linalg.norm(whole, axis=(-2, -1)), 2 * np.sqrt(K), rtol=1e-4)
+
+
 def test_qk_norm_kinds_normalise_only_the_layers_of_those_kinds():
   cfg = testing.tiny_model_config(
     "rope", dict(layer_pattern="rope,nope"), num_layers=4, qk_norm="rmsnorm", qk_norm_kinds="rope"
@@ -74,6 +119,7 @@ def test_qk_norm_kinds_normalise_only_the_layers_of_those_kinds():
   [
     (dict(qk_norm="l1"), "model.qk_norm='l1'"),
     (dict(qk_norm="l2", attention="mla", kv_lora_rank=8, qk_rope_head_dim=4), "model.qk_norm"),
+    (dict(qk_norm="rmsnorm_whole", attention="linear"), "model.qk_norm"),
     (dict(qk_norm="none", qk_norm_kinds="rope"), "model.qk_norm_kinds"),
     (dict(qk_norm="l2", qk_norm_kinds="nope"), "model.qk_norm_kinds"),
   ],
