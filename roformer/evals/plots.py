@@ -72,8 +72,9 @@ def _protocol_label(protocol: str, result: dict) -> str:
 def plot_runs(runs: Sequence[tuple[str, dict, int]], path, *, title: str = "") -> epath.Path:
   """Draws perplexity against length (left) and loss by position (right) for several runs.
 
-  A result's effective length (its "effective_length") is a star on each protocol's curve and a
-  note in its label; key-token perplexities (records' "key_tokens") are a dashed curve.
+  A result's effective length (its "effective_length") is a star on the x axis under it, with a
+  faint line of the protocol's style, and a note in its label; key-token perplexities (records'
+  "key_tokens") are a dashed curve.
 
   Args:
     runs: (label, eval JSON dict, training length or 0 if unknown) per run.
@@ -90,6 +91,7 @@ def plot_runs(runs: Sequence[tuple[str, dict, int]], path, *, title: str = "") -
   all_lengths, train_lengths = set(), set()
   has_positions = False
   rules = {}  # legend entries of the effective-length rules drawn, each once
+  ppls = []  # every perplexity drawn, for the choice of a log axis
   for i, (label, result, train_length) in enumerate(runs):
     color = colors[i % len(colors)]
     protocols = dict.fromkeys(r["protocol"] for r in result["records"])
@@ -116,9 +118,9 @@ def plot_runs(runs: Sequence[tuple[str, dict, int]], path, *, title: str = "") -
         rules.setdefault(rule_label(effective["rule"], perplexity=True))
       style = PROTOCOL_STYLES.get(protocol, {})
       ax_len.plot(xs, ys, color=color, label=line_label, markersize=4, **style)
+      ppls.extend(ys)
       if found is not None and found["length"] in xs:
-        at = ys[xs.index(found["length"])]
-        ax_len.plot([found["length"]], [at], "*", color=color, markersize=14, zorder=5)
+        mark_effective_length(ax_len, found["length"], color, style.get("linestyle", "-"))
       key_points = [
         (r["length"], r["key_tokens"]["ppl"])
         for r in result["records"]
@@ -126,6 +128,7 @@ def plot_runs(runs: Sequence[tuple[str, dict, int]], path, *, title: str = "") -
       ]
       if key_points:  # LongPPL's key-token perplexity (eval.py --key_tokens)
         kx, ky = zip(*key_points, strict=True)
+        ppls.extend(ky)
         ax_len.plot(kx, ky, color=color, linestyle="--", marker="^", markersize=4, alpha=0.7,
                     label=f"{label}, key tokens")  # fmt: skip
     if train_length:
@@ -151,9 +154,6 @@ def plot_runs(runs: Sequence[tuple[str, dict, int]], path, *, title: str = "") -
     ticks = sorted(all_lengths)
     ax_len.set_xticks(ticks, [str(t) for t in ticks])
     ax_len.xaxis.set_minor_locator(ticker.NullLocator())
-  ppls = [
-    y for line in ax_len.lines for y in line.get_ydata() if line.get_label() != "training length"
-  ]
   if ppls and max(ppls) > 4 * min(ppls):
     # Extrapolation failures blow up by orders of magnitude; a log axis keeps the rest readable.
     ax_len.set_yscale("log")
@@ -174,13 +174,24 @@ def plot_runs(runs: Sequence[tuple[str, dict, int]], path, *, title: str = "") -
     (r.get("per_position") or {}).get("protocol", "") for _, r, *_ in runs if r.get("per_position")
   } - {""}
   windows = f", {'/'.join(sorted(protocols))} windows" if protocols else ""
-  ax_pos.set_title(f"loss by position in the window (longest length{windows})")
+  # Two lines: in one, the note runs past the panel's half of the default 12-inch figure.
+  ax_pos.set_title(f"loss by position in the window\n(longest length{windows})")
   ax_pos.grid(True, alpha=0.3)
   if has_positions:
     place_legend(fig, ax_pos)
   if title:
     fig.suptitle(title)
   return save_figure(fig, path)
+
+
+def mark_effective_length(ax, length: int, color, linestyle: str) -> None:
+  """A star on the x axis under the effective length and a faint line of the curve's style
+  behind the curves: a star on the curve itself would hide the point it marks."""
+  ax.axvline(length, color=color, linestyle=linestyle, linewidth=1, alpha=0.5, zorder=1)
+  ax.plot(
+    [length], [0.0], "*", color=color, markersize=14, zorder=5, clip_on=False,
+    transform=ax.get_xaxis_transform(),  # x in data, y in axes fractions: 0 is the x axis
+  )  # fmt: skip
 
 
 def save_figure(fig, path) -> epath.Path:
