@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import ml_dtypes  # importing it registers bfloat16 with numpy; safetensors then reads bf16
 import numpy as np
 from flax import nnx
+from safetensors import SafetensorError
 from safetensors.numpy import load_file as _load_numpy
 
 from roformer.errors import ConfigError
@@ -43,7 +44,14 @@ def read_hf_config(path) -> dict:
   config_file = pathlib.Path(path) / "config.json"
   if not config_file.exists():
     raise HFConversionError(f"no config.json in {path}")
-  return json.loads(config_file.read_text())
+  return _read_json(config_file)
+
+
+def _read_json(path: pathlib.Path) -> dict:
+  try:
+    return json.loads(path.read_text())
+  except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+    raise HFConversionError(f"{path} is not valid JSON ({e})") from None
 
 
 def check_overrides(overrides: Mapping) -> None:
@@ -72,7 +80,7 @@ def load_hf_tensors(path) -> dict[str, np.ndarray]:
   path = pathlib.Path(path)
   index = path / "model.safetensors.index.json"
   if index.exists():
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    files = sorted(set(_read_json(index).get("weight_map", {}).values()))
   elif (path / "model.safetensors").exists():
     files = ["model.safetensors"]
   else:
@@ -83,7 +91,13 @@ def load_hf_tensors(path) -> dict[str, np.ndarray]:
     )
   tensors = {}
   for name in files:
-    for key, value in _load_numpy(path / name).items():
+    try:
+      loaded = _load_numpy(path / name)
+    except (SafetensorError, OSError) as e:  # e.g. a download cut short: "incomplete metadata"
+      raise HFConversionError(
+        f"{path / name} is not a readable safetensors file ({e}); download or save it again"
+      ) from None
+    for key, value in loaded.items():
       if key.endswith(".gamma"):
         key = key[: -len("gamma")] + "weight"
       elif key.endswith(".beta"):

@@ -316,3 +316,23 @@ def test_a_fused_qkv_of_the_wrong_width_is_named(tmp_path):
   tensors[name] = tensors[name][:-8]
   with pytest.raises(hf.HFConversionError, match=f"{name} has shape \\(88, 32\\)"):
     hf.load_hf_decoder(_write(tmp_path, "gpt_neox", tensors))
+
+
+@pytest.mark.parametrize(
+  "damage, message",
+  [
+    ("truncate", "model.safetensors is not a readable safetensors file"),
+    ("config", "config.json is not valid JSON"),
+  ],
+)
+def test_a_damaged_file_is_one_line_naming_it(tmp_path, damage, message):
+  shutil.copytree(_dir("llama"), tmp_path / "llama")
+  path = tmp_path / "llama"
+  if damage == "truncate":  # a download cut short
+    data = (path / "model.safetensors").read_bytes()
+    (path / "model.safetensors").write_bytes(data[: len(data) // 2])
+  else:
+    (path / "config.json").write_text((path / "config.json").read_text()[:-40])
+  with pytest.raises(hf.HFConversionError, match=message) as raised:
+    hf.load_hf_decoder(path)
+  assert str(path) in str(raised.value) and "\n" not in str(raised.value)
