@@ -104,6 +104,10 @@ def _coerce(value: Any, typ: Any, name: str) -> Any:
   if typ is float:
     if isinstance(value, bool) or not isinstance(value, int | float):
       raise ConfigError(f"{name} must be a number, got {value!r}")
+    # No float field reads inf or nan as a setting; either would surface only as a non-finite
+    # loss (a learning rate of inf) or a silent NaN, after compiling.
+    if not math.isfinite(value):
+      raise ConfigError(f"{name} must be a finite number, got {value}")
     return float(value)
   if typ is str:
     if not isinstance(value, str):
@@ -498,6 +502,8 @@ def write_config_json(workdir: str | epath.Path, run_config: RunConfig) -> None:
 
 def load_run_config(workdir: str | epath.Path) -> RunConfig:
   """The resolved RunConfig a run wrote to DIR/config.json (vocab_size included)."""
+  if not epath.Path(workdir).exists():
+    raise FileNotFoundError(f"the workdir {workdir} does not exist")
   values = read_config_json(workdir)
   if values is None:
     raise FileNotFoundError(f"no {CONFIG_FILE} in {workdir}: is it a training workdir?")

@@ -187,6 +187,35 @@ def test_load_run_config_without_config_json_raises(tmp_path):
     config_lib.load_run_config(tmp_path)
 
 
+def test_load_run_config_of_a_missing_workdir_says_it_does_not_exist(tmp_path):
+  with pytest.raises(FileNotFoundError, match=f"the workdir {tmp_path / 'nope'} does not exist"):
+    config_lib.load_run_config(tmp_path / "nope")
+
+
+def test_load_run_config_names_a_config_json_that_is_not_json(tmp_path):
+  config_lib.write_config_json(tmp_path, config_lib.run_config_from_dict(default.get_config()))
+  text = (tmp_path / "config.json").read_text()
+  (tmp_path / "config.json").write_text(text[: len(text) // 2])  # a write cut short
+  with pytest.raises(ValueError, match=f"{tmp_path / 'config.json'} is not valid JSON"):
+    config_lib.load_run_config(tmp_path)
+
+
+@pytest.mark.parametrize(
+  "field, value",
+  [
+    ("optim.learning_rate", float("inf")),
+    ("optim.learning_rate", float("nan")),
+    ("optim.grad_clip_norm", float("inf")),
+    ("model.dropout_rate", float("nan")),
+    ("posenc.max_wavelength", float("inf")),
+    ("posenc.scaling.factor", float("-inf")),
+  ],
+)
+def test_run_config_rejects_a_non_finite_float_naming_the_field(field, value):
+  with pytest.raises(ConfigError, match=f"^{re.escape(field)} must be a finite number, got"):
+    config_lib.run_config_from_dict(_config_dict(**{field: value}))
+
+
 def test_check_resume_allows_steps_and_frequencies():
   old = config_lib.to_dict(config_lib.run_config_from_dict(default.get_config(), vocab_size=259))
   new = config_lib.run_config_from_dict(

@@ -50,7 +50,7 @@ def read_hf_config(path) -> dict:
 def _read_json(path: pathlib.Path) -> dict:
   try:
     return json.loads(path.read_text())
-  except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+  except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
     raise HFConversionError(f"{path} is not valid JSON ({e})") from None
 
 

@@ -126,7 +126,8 @@ def archive_run_files(workdir: str) -> str:
 
 
 def read_config_json(workdir: str | epath.Path) -> dict | None:
-  """DIR/config.json as a plain dict, or None when the workdir has none.
+  """DIR/config.json as a plain dict, or None when the workdir has none; WorkdirError naming the
+  file when it is not JSON (a write cut short).
 
   The one reader of the file: roformer.config builds the RunConfig from this dict, and the plots
   (evals/plots.py) read the training length from it here, since importing roformer.config imports
@@ -135,4 +136,7 @@ def read_config_json(workdir: str | epath.Path) -> dict | None:
   path = epath.Path(workdir) / CONFIG_FILE
   if not path.exists():
     return None
-  return json.loads(path.read_text())
+  try:
+    return json.loads(path.read_text())
+  except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+    raise WorkdirError(f"{path} is not valid JSON ({e})") from None
