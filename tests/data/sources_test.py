@@ -217,6 +217,19 @@ def test_load_corpus_bad_input_raises_data_error_naming_field(tmp_path, case):
     data.load_corpus(_cfg(tmp_path, **overrides), workdir=str(tmp_path / "run"))
 
 
+@pytest.mark.parametrize("suffix", ["", "/"])
+def test_files_glob_naming_a_directory_says_so_and_suggests_its_files(tmp_path, suffix):
+  (tmp_path / "text").mkdir()
+  (tmp_path / "text" / "a.txt").write_text("x\n")
+  folder = str(tmp_path / "text")
+  with pytest.raises(data.DataError) as raised:
+    local_files.expand(folder + suffix, field="data.files")
+  assert str(raised.value) == (
+    f"data.files={folder + suffix!r}: {folder} is a directory; give a glob of its files, e.g. "
+    f"{folder}/*.txt (or {folder}/**/*.txt with subdirectories)"
+  )
+
+
 def _latin1_corpus(tmp_path, ext: str) -> pathlib.Path:
   """One good UTF-8 file and one Latin-1 file whose first non-ASCII byte is at offset 9."""
   folder = tmp_path / "text"

@@ -33,6 +33,13 @@ def expand(patterns: str, *, field: str) -> list[str]:
       paths.update(glob.glob(os.path.expanduser(pattern), recursive=True))
   files = sorted(os.path.abspath(p) for p in paths if os.path.isfile(p))
   if not files:
+    folders = sorted(p for p in paths if os.path.isdir(p))
+    if folders:  # a directory matches itself, not the files in it
+      folder = folders[0].rstrip("/")
+      raise DataError(
+        f"{field}={patterns!r}: {folder} is a directory; give a glob of its files, e.g. "
+        f"{folder}/*.txt (or {folder}/**/*.txt with subdirectories)"
+      )
     raise DataError(f"{field}={patterns!r}: the glob matches no files")
   for path in files:
     if os.path.splitext(path)[1].lower() not in BUILDERS:
