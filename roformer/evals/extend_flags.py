@@ -14,7 +14,10 @@ FIELDS = {
   "local": "dca: local window w; string: local value W.",
   "shift": "string: shifted offset S.",
   "sinks": "sinks: first tokens every query keeps.",
+  "true_division": "self_extend: grouped query offset W - W/G (LongLM's code), not W - floor(W/G).",
 }
+# The --extend_<field> flags that are switches (bool), the others being numbers.
+SWITCHES = ("true_division",)
 NAMES = ("extend", *(f"extend_{field}" for field in FIELDS))
 
 
@@ -25,9 +28,12 @@ def define_flags() -> None:
     "extension); its numbers are the --extend_* flags it reads.",
   )  # fmt: skip
   for field, help_text in FIELDS.items():
-    flags.DEFINE_integer(f"extend_{field}", 0, help_text)
+    if field in SWITCHES:
+      flags.DEFINE_boolean(f"extend_{field}", False, help_text)
+    else:
+      flags.DEFINE_integer(f"extend_{field}", 0, help_text)
 
 
-def values(flag_values) -> tuple[str, dict[str, int]]:
+def values(flag_values) -> tuple[str, dict[str, int | bool]]:
   """(--extend, {field: --extend_<field>}) for `roformer.evals.spec.extension_from_options`."""
   return flag_values.extend, {field: flag_values[f"extend_{field}"].value for field in FIELDS}

@@ -222,10 +222,15 @@ class PosEnc(nnx.Module):
   content_bias = None
 
 
-def check_positions(pos: jax.Array, name: str, leading: tuple[int, ...] | None = None) -> None:
-  """Raises ValueError unless `pos` is an integer [B, L] array (equal to `leading` when given)."""
+def check_positions(
+  pos: jax.Array, name: str, leading: tuple[int, ...] | None = None, *, fractional: bool = False
+) -> None:
+  """Raises ValueError unless `pos` is an integer [B, L] array (equal to `leading` when given);
+  with `fractional`, float positions pass too."""
   if pos.ndim != 2 or (leading is not None and tuple(pos.shape) != tuple(leading)):
     want = "[B, L]" if leading is None else f"[B, L] = {tuple(leading)}"
     raise ValueError(f"{name} must have shape {want}, got {tuple(pos.shape)}")
+  if fractional and jnp.issubdtype(pos.dtype, jnp.floating):
+    return
   if not jnp.issubdtype(pos.dtype, jnp.integer):
     raise ValueError(f"{name} must hold integer positions, got dtype {pos.dtype}")

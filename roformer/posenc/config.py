@@ -112,6 +112,8 @@ EXTENSION_FIELDS = {
 }
 # Read fields that may stay 0: DCA's local window, STRING's local value, the number of sinks.
 _MAY_BE_ZERO = ("local", "sinks")
+# The ContextExtension switches (bool fields, off by default) each kind reads besides its numbers.
+EXTENSION_SWITCHES = {"self_extend": ("true_division",)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +122,8 @@ class ContextExtension:
   (query, key) pair is remapped at evaluation (`roformer.posenc.extension`).
 
   Which fields a kind reads (each must then be set; 0 means "not set"):
-    self_extend: window (neighbour window W), group (group size G).
+    self_extend: window (neighbour window W), group (group size G); true_division (LongLM's
+      grouped-query offset W - W / G instead of W - floor(W / G)).
     dca: chunk (chunk length s), local (local window w).
     rerope: window (the clamp w).
     string: shift (shifted offset S), local (local value W < S).
@@ -142,6 +145,11 @@ class ContextExtension:
   sinks: int = param(
     0, "sinks: the first tokens every query keeps (StreamingLLM's attention sinks)"
   )
+  true_division: bool = param(
+    False,
+    "self_extend: offset the grouped query by W - W / G, a true division as LongLM's code "
+    "(fractional when G does not divide W); False: W - floor(W / G), integer positions",
+  )
 
   def __post_init__(self):
     if self.kind not in EXTENSION_KINDS:
@@ -156,6 +164,10 @@ class ContextExtension:
           f"posenc.extension.kind={self.kind!r} needs posenc.extension.{name} >= 1 "
           f"(eval.py --extend_{name})"
         )
+    if self.true_division and "true_division" not in EXTENSION_SWITCHES.get(self.kind, ()):
+      raise ValueError(
+        f"posenc.extension.true_division=True is read by kind 'self_extend' only, not {self.kind!r}"
+      )
     if self.kind == "string" and self.local >= self.shift:
       raise ValueError(
         f"posenc.extension.local={self.local} must be below posenc.extension.shift="

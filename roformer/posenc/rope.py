@@ -141,7 +141,9 @@ def _check_qk(q_BLHK, k_BSGK, qpos_BL, kpos_BS, head_dim):
   for name, x in (("q_BLHK", q_BLHK), ("k_BSGK", k_BSGK)):
     if x.ndim != 4 or x.shape[-1] != head_dim:
       raise ValueError(f"{name} must be [B, L, heads, {head_dim}], got {tuple(x.shape)}")
-  check_positions(qpos_BL, "qpos_BL", q_BLHK.shape[:2])
+  # A query's rotation position may be fractional: Self-Extend's grouped queries under LongLM's
+  # true division (posenc/extension.py). Angles are float32 products either way.
+  check_positions(qpos_BL, "qpos_BL", q_BLHK.shape[:2], fractional=True)
   check_positions(kpos_BS, "kpos_BS", k_BSGK.shape[:2])
 
 

@@ -36,6 +36,16 @@ def hand_self_extend(L, W, G):
   return out
 
 
+def hand_self_extend_true_division(L, W, G):
+  # LongLM's self_extend_patch/Llama.py: group_query_position = i // G + W - W / G (a float),
+  # group_key_position = j // G; neighbours (i - j < W) keep i - j.
+  out = np.full((L, L), float(MASKED))
+  for i in range(L):
+    for j in range(i + 1):
+      out[i, j] = i - j if i - j < W else (i // G + W - W / G) - j // G
+  return out
+
+
 def hand_dca(L, s, w):
   # An et al. 2024 / ChunkLlama: keys at j mod s; the query at i mod s (same chunk), at
   # min(i mod s + s, s + w) (previous chunk), at min(2s - 1, s + w) (earlier chunks).
@@ -105,6 +115,25 @@ def test_self_extend_distances_by_hand_small_example():
   np.testing.assert_array_equal(d[2], [2, 1, 0, MASKED, MASKED, MASKED])
 
 
+@pytest.mark.parametrize("W, G", [(32, 22), (20, 9), (32, 6), (7, 3)])
+def test_self_extend_true_division_is_longlm_offset(W, G):
+  # The committed grids' settings (32/22, 20/9, 32/6) and a small one: the grouped distances
+  # are W / G - floor(W / G) closer than the default's, the neighbour distances unchanged.
+  L = 3 * W + 5
+  ext = ContextExtension("self_extend", window=W, group=G, true_division=True)
+  got = effective_distance(ext, L)
+  np.testing.assert_allclose(got, hand_self_extend_true_division(L, W, G), rtol=0, atol=1e-5)
+  floor = effective_distance(ContextExtension("self_extend", window=W, group=G), L)
+  grouped = np.tril(np.ones((L, L), bool), -W)
+  np.testing.assert_allclose((floor - got)[grouped], W / G - W // G, rtol=0, atol=1e-5)
+  np.testing.assert_array_equal(got[~grouped], floor[~grouped])
+
+
+def test_self_extend_true_division_equals_the_default_when_g_divides_w():
+  ext = ContextExtension("self_extend", window=8, group=4, true_division=True)
+  np.testing.assert_array_equal(effective_distance(ext, 40), hand_self_extend(40, 8, 4))
+
+
 def _ext(kind, **fields):
   return ContextExtension(kind, **fields)
 
@@ -150,6 +179,7 @@ def test_extension_keeps_every_distance_inside_its_bound():
     (dict(kind="sinks", sinks=4), "extension.window >= 1"),
     (dict(kind="yarn"), "is not one of"),
     (dict(kind="rerope", window=3, local=-1), "must be >= 0"),
+    (dict(kind="rerope", window=3, true_division=True), "read by kind 'self_extend' only"),
   ],
 )
 def test_extension_config_refuses_missing_or_bad_fields(fields, message):

@@ -21,6 +21,7 @@ BASE = 10000.0
 
 EXTENSIONS = [
   ContextExtension("self_extend", window=4, group=3),
+  ContextExtension("self_extend", window=5, group=3, true_division=True),  # fractional queries
   ContextExtension("dca", chunk=6, local=2),
   ContextExtension("rerope", window=5),
   ContextExtension("string", shift=9, local=3),
@@ -184,3 +185,23 @@ def test_attention_layer_with_extension_equals_kernel_on_unrotated_qk(impl):
   q, k, v = layer.qkv(x)
   want = _run(kernels.dense_attention, ext, q, k, v, pos)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
+
+
+def test_rerope_with_the_logn_query_scale_is_the_released_patch():
+  # bojone/rerope's rerope_patch.py multiplies queries by max(1, log(pos + 1) / log(L0)), L0 its
+  # training_length, before the rectified attention: `--extend=rerope --query_scale=logn`.
+  ext, L0 = ContextExtension("rerope", window=5), 8
+  posenc_cfg = PosEncConfig(kind="rope", extension=ext, query_scale="logn", query_scale_len=L0)
+  with nnx.use_eager_sharding(False):
+    layer = testing.attention_layer(
+      emb_dim=H * K, num_heads=H, head_dim=K, num_kv_heads=G, posenc=posenc_cfg, seed=2
+    )
+  x, pos = _normal((B, L, H * K), 16), _positions()
+  got, _ = layer(x, pos, _posenc(ext))
+  q, k, v = layer.qkv(x)
+  logn_BL = np.maximum(1.0, np.log(np.asarray(pos) + 1.0) / np.log(L0))
+  want = _reference(ext, np.asarray(q) * logn_BL[:, :, None, None] / np.sqrt(K), k, v, pos)
+  np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
+  # Negative control: ReRoPE without the patch's scaling (the --extend=rerope default).
+  unscaled = _reference(ext, np.asarray(q) / np.sqrt(K), k, v, pos)
+  assert np.abs(unscaled - want).max() > 1e-3
