@@ -305,6 +305,15 @@ def test_extension_settings_keep_every_method_inside_the_training_length():
       spec.spec_from_options(lengths=[L], **kwargs)
 
 
+def test_extension_dca_window_is_l_over_16_by_default_and_l_over_8_on_request():
+  from experiments import extension
+
+  # ChunkLlama's code as released with the paper (the committed runs) and its later default.
+  assert extension.methods(128, 2048)["dca"]["extend_fields"] == dict(chunk=88, local=8)
+  assert extension.methods(128, 2048, 8)["dca"]["extend_fields"] == dict(chunk=80, local=16)
+  assert extension.methods(4096, 65536, 8)["dca"]["extend_fields"] == dict(chunk=2560, local=512)
+
+
 def test_the_presets_and_the_extrapolation_grid_take_their_arms_from_configs_arms():
   import importlib
 
