@@ -138,8 +138,17 @@ def main(argv):
     checkpoint.CheckpointNotFoundError,
   ) as e:
     _error(str(e))
+  except errors.StorageFullError as e:
+    sys.stdout.flush()
+    print(f"train.py: error: {e.strerror}", file=sys.stderr, flush=True)
+    # Every writer still holding data fails too (TensorBoard's, at exit and in its thread), each
+    # with its traceback: leave at once (the lock goes with the process; nothing more fits).
+    os._exit(1)
+  except errors.RunInterrupted as e:  # saved: the loop said so; the status says interrupted
+    sys.exit(e.exit_status)
   except KeyboardInterrupt:  # a second Ctrl-C, or one before training started
-    _error("interrupted; nothing was saved since the last checkpoint")
+    print("train.py: interrupted; nothing was saved since the last checkpoint", file=sys.stderr)
+    sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -478,12 +478,18 @@ def _evaluate(workdir: pathlib.Path, ev: Eval) -> dict:
 def train_to_end(name: str, config, workdir: pathlib.Path) -> dict:
   """train_loop.train_and_evaluate, and exit the grid if a signal stopped it before its last step.
 
-  SIGTERM/SIGINT make training save a checkpoint and return early; evaluating that checkpoint
-  would record a half-trained model as the run's result, so the grid exits and a rerun resumes.
+  SIGTERM/SIGINT make training save a checkpoint and stop early; evaluating that checkpoint
+  would record a half-trained model as the run's result, so the grid exits (with the signal's
+  status, 128 + its number) and a rerun resumes.
   """
+  from roformer.errors import RunInterrupted
   from roformer.train import loop as train_loop
 
-  last_eval = train_loop.train_and_evaluate(config, str(workdir))
+  try:
+    last_eval = train_loop.train_and_evaluate(config, str(workdir))
+  except RunInterrupted as e:
+    print(f"{name} stopped at step {e.step}; rerun the grid to resume it", file=sys.stderr)
+    raise SystemExit(e.exit_status) from None
   trained = max((m["step"] for m in _read_metrics(workdir) if "train_loss" in m), default=0)
   if trained < config.train.num_train_steps:
     raise SystemExit(f"{name} stopped at step {trained}; rerun the grid to resume it")

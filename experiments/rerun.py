@@ -77,11 +77,9 @@ def rerun_perplexity(parser, args, record: dict) -> float:
   if source and not pathlib.Path(source).exists():
     parser.error(f"{record['run']} fine-tunes {source}, which is not on this machine")
   workdir = _workdir(args, record["run"])
-  from roformer.train import loop as train_loop
-
   base = record["base"] if "base" in record else base_config(args.run_json.parent)
   config = grid.make_config(base, overrides)
-  result = train_loop.train_and_evaluate(config, str(workdir))
+  result = grid.train_to_end(record["run"], config, workdir)
   recorded, new = record["final_eval"]["loss"], float(result["loss"])
   diff = new - recorded
   print(f"{record['run']}: recorded eval loss {recorded:.6f}, rerun {new:.6f}, diff {diff:+.2e}")

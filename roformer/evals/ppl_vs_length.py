@@ -16,13 +16,7 @@ from roformer import runs
 from roformer.evals import key_tokens, perplexity, plots, results
 from roformer.evals.effective_length import describe, perplexity_effective_lengths
 from roformer.evals.perplexity import AUTO_BATCH_TOKENS
-from roformer.evals.spec import (
-  EvalSpec,
-  RopeOverride,
-  extension_switches,
-  output_name,
-  rope_options,
-)
+from roformer.evals.spec import EvalSpec, RopeOverride, output_name, rope_options
 from roformer.infra import workdir as workdir_lib
 from roformer.posenc import POSENCS
 from roformer.posenc import randomized as randomized_positions
@@ -45,9 +39,8 @@ def label_notes(model_cfg, *, trained_window: int, stride: int = 0, protocols=()
     notes.append("no BCA")
   extension = model_cfg.posenc.extension
   if extension.kind != "none":
-    numbers = [f"{f} {getattr(extension, f)}" for f in EXTENSION_FIELDS[extension.kind]]
-    switches = [f.replace("_", " ") for f in extension_switches(extension)]
-    notes.append(f"{extension.kind} ({', '.join(numbers + switches)})")
+    numbers = ", ".join(f"{f} {getattr(extension, f)}" for f in EXTENSION_FIELDS[extension.kind])
+    notes.append(f"{extension.kind} ({numbers})")
   if model_cfg.posenc.query_scale != "none":
     notes.append(f"query scale {model_cfg.posenc.query_scale}")
   if "sliding" in protocols:

@@ -13,12 +13,7 @@ from roformer.data import PROTOCOLS
 from roformer.evals.effective_length import EffectiveRule
 from roformer.evals.plots import DEFAULT_NAME
 from roformer.posenc import randomized as randomized_positions
-from roformer.posenc.config import (
-  EXTENSION_FIELDS,
-  EXTENSION_KINDS,
-  EXTENSION_SWITCHES,
-  ContextExtension,
-)
+from roformer.posenc.config import EXTENSION_FIELDS, EXTENSION_KINDS, ContextExtension
 from roformer.posenc.rope_scaling import SCALING_KINDS
 
 DEFAULT_MAX_TOKENS = 65536  # eval.py --max_tokens
@@ -166,9 +161,9 @@ class EvalSpec:
     return self.key_short_window or max(1, seq_len // 4)
 
 
-def extension_from_options(kind: str = "none", **fields: int | bool) -> ContextExtension | None:
-  """--extend=KIND and its --extend_* numbers and switches as a ContextExtension (None for
-  "none"); a number or switch the kind does not read is an error, never ignored."""
+def extension_from_options(kind: str = "none", **fields: int) -> ContextExtension | None:
+  """--extend=KIND and its --extend_* numbers as a ContextExtension (None for "none"); a
+  number the kind does not read is an error, never ignored."""
   if kind not in EXTENSION_KINDS:
     raise ValueError(f"--extend must be one of {EXTENSION_KINDS}, got {kind!r}")
   given = {name: value for name, value in fields.items() if value}
@@ -176,12 +171,11 @@ def extension_from_options(kind: str = "none", **fields: int | bool) -> ContextE
     if given:
       raise ValueError(f"--extend_{next(iter(given))} needs --extend=KIND")
     return None
-  read = EXTENSION_FIELDS[kind] + EXTENSION_SWITCHES.get(kind, ())
-  unread = sorted(set(given) - set(read))
+  unread = sorted(set(given) - set(EXTENSION_FIELDS[kind]))
   if unread:
     raise ValueError(
       f"--extend_{unread[0]} is not read by --extend={kind} (it reads "
-      f"{', '.join('--extend_' + f for f in read)})"
+      f"{', '.join('--extend_' + f for f in EXTENSION_FIELDS[kind])})"
     )
   try:
     return ContextExtension(kind=kind, **given)
@@ -212,17 +206,9 @@ def spec_from_options(
 
 
 def extension_suffix(extension: ContextExtension) -> str:
-  """`_<kind>`, the numbers it reads and the switches that are on, e.g.
-  `_self_extend_window512_group8` (`..._group8_true_division` with LongLM's offset)."""
+  """`_<kind>` and the numbers it reads, e.g. `_self_extend_window512_group8`."""
   numbers = "".join(f"_{f}{getattr(extension, f)}" for f in EXTENSION_FIELDS[extension.kind])
-  switches = "".join(f"_{f}" for f in extension_switches(extension))
-  return f"_{extension.kind}{numbers}{switches}"
-
-
-def extension_switches(extension: ContextExtension | dict) -> list[str]:
-  """The switches of `extension` (a ContextExtension or its recorded dict) that are on."""
-  values = extension if isinstance(extension, dict) else dataclasses.asdict(extension)
-  return [f for f in EXTENSION_SWITCHES.get(values["kind"], ()) if values.get(f)]
+  return f"_{extension.kind}{numbers}"
 
 
 def rope_options(rope: "RopeOverride | None", length: int, seq_len: int) -> dict:

@@ -3,9 +3,12 @@
 Only process 0 writes; on other processes every method does nothing.
 """
 
+import contextlib
+import errno
 import json
 import logging as logging_std
 import math
+import os
 import sys
 import time
 from typing import Any
@@ -13,6 +16,8 @@ from typing import Any
 import jax
 from absl import logging
 from etils import epath
+
+from roformer.errors import StorageFullError, is_disk_full
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -50,30 +55,94 @@ class MetricsWriter:
     if not self._enabled:
       return
     epath.Path(workdir).mkdir(parents=True, exist_ok=True)
-    if self._rewrite and self._path.exists():
-      self._text = self._path.read_text()
+    if self._path.exists():
+      self._repair_last_line()
     self._tb = _import_tensorboardx().SummaryWriter(logdir=str(workdir))
 
+  def _repair_last_line(self) -> None:
+    """Cuts off a last line that a crash left unfinished (not one JSON object), so the next record
+    starts a line of its own instead of joining it into one unreadable line. A whole record that
+    only lacks its newline gets it."""
+    data = self._path.read_bytes()
+    keep = _whole_lines_length(data)
+    repaired = data[:keep]
+    if keep < len(data) and _is_record(data[keep:]):
+      repaired = data + b"\n"
+    elif keep < len(data):
+      logging.warning(
+        "%s: dropped %d bytes at its end, a record left unfinished when a run stopped (%r).",
+        self._path,
+        len(data) - keep,
+        data[keep : keep + 60],
+      )
+    if self._rewrite:
+      self._text = repaired.decode("utf-8", errors="replace")
+    if repaired == data:
+      return
+    if self._rewrite:
+      self._path.write_text(self._text)
+    elif len(repaired) < len(data):
+      os.truncate(self._path, len(repaired))
+    else:
+      with self._path.open("ab") as f:
+        f.write(b"\n")
+
   def write(self, step: int, scalars: dict[str, float]) -> None:
-    """Writes {"step": step, **scalars} as one line, and each scalar to TensorBoard."""
+    """Writes {"step": step, **scalars} as one line, and each scalar to TensorBoard.
+
+    Raises:
+      StorageFullError (one line) when the disk is full.
+    """
     if not self._enabled:
       return
     record = {"step": int(step), **{k: _clean(float(v)) for k, v in scalars.items()}}
     line = json.dumps(record) + "\n"
-    if self._rewrite:
-      self._text += line
-      self._path.write_text(self._text)
-    else:
-      with self._path.open("a") as f:
-        f.write(line)
-    for name, value in scalars.items():
-      self._tb.add_scalar(name, float(value), int(step))
-    self._tb.flush()
+    with self._disk_full_in_one_line():
+      if self._rewrite:
+        self._text += line
+        self._path.write_text(self._text)
+      else:
+        with self._path.open("a") as f:
+          f.write(line)
+      for name, value in scalars.items():
+        self._tb.add_scalar(name, float(value), int(step))
+      self._tb.flush()
 
   def close(self) -> None:
     if self._tb is not None:
-      self._tb.close()
-      self._tb = None
+      tb, self._tb = self._tb, None
+      with self._disk_full_in_one_line():
+        tb.close()
+
+  @contextlib.contextmanager
+  def _disk_full_in_one_line(self):
+    try:
+      yield
+    except OSError as e:
+      if not is_disk_full(e):
+        raise
+      raise StorageFullError(
+        errno.ENOSPC,
+        f"cannot write the metrics in {self._path.parent}: the disk is full (no space left on "
+        "device): free some space, then rerun to resume from the last checkpoint",
+      ) from None
+
+
+def _is_record(line: bytes) -> bool:
+  try:
+    return isinstance(json.loads(line), dict)
+  except ValueError:  # undecodable bytes (UnicodeDecodeError is a ValueError) or cut JSON
+    return False
+
+
+def _whole_lines_length(data: bytes) -> int:
+  """The length of `data` up to the end of its last whole record: a line that ends in a newline
+  and decodes as one JSON object."""
+  whole = data[: data.rfind(b"\n") + 1]  # b"" when no line is finished
+  if not whole:
+    return 0
+  start = whole.rfind(b"\n", 0, len(whole) - 1) + 1
+  return len(whole) if _is_record(whole[start:]) else start
 
 
 class _DropChatter(logging_std.Filter):

@@ -24,7 +24,7 @@ from roformer import config as config_lib
 from roformer import data as data_lib
 from roformer.config import ConfigError, RunConfig
 from roformer.data.synthetic import SyntheticBatches, SyntheticCorpus
-from roformer.errors import NonFiniteLossError
+from roformer.errors import NonFiniteLossError, RunInterrupted
 from roformer.evals import perplexity
 from roformer.infra import checkpoint, metrics_log, preemption, prefetch, sharding
 from roformer.infra import workdir as workdir_lib
@@ -167,7 +167,7 @@ def save(loop: Loop, step: int) -> None:
 
 
 def last_good(loop: Loop) -> str:
-  loop.manager.wait_until_finished()
+  checkpoint.wait_until_saved(loop.manager)
   good = loop.manager.latest_step()
   if good is None:
     return "No checkpoint was saved."
@@ -215,24 +215,35 @@ def log_train(loop: Loop, step: int) -> None:
 
 
 def close(loop: Loop) -> None:
-  loop.manager.wait_until_finished()
-  loop.manager.close()
-  loop.writer.close()
+  try:
+    checkpoint.close(loop.manager)
+  finally:
+    loop.writer.close()
 
 
 # ---- Setup ----
 
 
 def _check_or_replace_config(run_config: RunConfig, workdir: epath.Path) -> None:
-  """The resume rule: a rerun keeps DIR/config.json, unless no checkpoint was ever written.
+  """The resume rule: a rerun keeps DIR/config.json, unless no checkpoint was ever written; a
+  workdir with checkpoints but no config.json is refused.
 
   A run that died before its first checkpoint left nothing to resume, so a corrected config may
   replace it; the earlier attempt's files move to DIR/replaced/ so no record of it mixes in.
   """
   previous = config_lib.read_config_json(workdir)
+  steps = checkpoint.finished_steps(workdir)
+  if previous is None and steps:
+    # Without it the checkpoint would resume as whatever this command line says.
+    raise ConfigError(
+      f"{workdir} holds checkpoints (steps {', '.join(map(str, steps))}) but no "
+      f"{workdir_lib.CONFIG_FILE}, which a resume is checked against: put the run's "
+      f"{workdir_lib.CONFIG_FILE} back to resume it, or start a new workdir from these "
+      f"parameters with --config.train.init_from={workdir}"
+    )
   if previous is None:
     return
-  if checkpoint.finished_steps(workdir):
+  if steps:
     config_lib.check_resume(previous, run_config)
     return
   changed = config_lib.changed_fields(
@@ -434,7 +445,8 @@ def train_and_evaluate(config: Any, workdir: str) -> dict:
   """Trains (or resumes) the run in `workdir` and evaluates it periodically on validation data.
 
   A local workdir is locked for the whole run (DIR/.lock): a second run into it stops before
-  reading or writing anything there. SIGTERM and SIGINT save a checkpoint and return.
+  reading or writing anything there. SIGTERM and SIGINT save a checkpoint, then raise
+  RunInterrupted.
 
   Args:
     config: a ConfigDict of configs/default.py's layout (or the same as a nested dict).
@@ -449,6 +461,9 @@ def train_and_evaluate(config: Any, workdir: str) -> dict:
     WorkdirError: the workdir is empty, cannot be written, or another run holds it.
     CheckpointNotFoundError: no checkpoint in the workdir reads back.
     NonFiniteLossError: the loss or gradient became NaN or infinite.
+    StorageFullError: a checkpoint or metrics write found the disk full.
+    RunInterrupted: a signal stopped the run after it saved a checkpoint (train.py exits with
+      its `exit_status`, 128 + the signal's number).
   """
   workdir = epath.Path(workdir_lib.resolve(str(workdir)))
   run_config = _resolve_paths(config_lib.run_config_from_dict(config))
@@ -494,13 +509,13 @@ def _train(loop: Loop) -> None:
       if actions.save:
         save(loop, done)
       if stop:
-        loop.manager.wait_until_finished()
+        checkpoint.wait_until_saved(loop.manager)
         logging.warning(
           "%s received: saved the checkpoint of step %d; exiting.",
           watcher.signal_name or "A stop request from another process",
           done,
         )
-        return
+        raise RunInterrupted(watcher.signal_name or "SIGTERM", done)
       if actions.eval:
         evaluate(loop, done)
     if pending is not None:

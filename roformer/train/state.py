@@ -63,17 +63,19 @@ def count_params(model_state) -> int:
   return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model_state, nnx.Param)))
 
 
-def _set_aside(manager, workdir: epath.Path, steps: list[int], resumed: int) -> None:
-  """Moves unreadable checkpoints out of the way (process 0), then every manager rescans."""
+def _set_aside(manager, workdir: epath.Path, unreadable: list, resumed: int) -> None:
+  """Moves unreadable checkpoints ((step, why) pairs) out of the way (process 0), then every
+  manager rescans."""
   if jax.process_count() > 1:
     # Every process has tried them before any moves.
     preemption.sync_processes("unreadable checkpoints found")
   if jax.process_index() == 0:
-    for step in steps:
+    for step, why in unreadable:
       moved = checkpoint.set_aside(workdir, step)
       logging.warning(
-        "The checkpoint of step %d is unreadable: moved to %s; resuming from step %d.",
+        "The checkpoint of step %d is unreadable (%s): moved to %s; resuming from step %d.",
         step,
+        why,
         moved,
         resumed,
       )

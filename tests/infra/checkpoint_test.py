@@ -1,17 +1,21 @@
 """Tests of checkpoint saving, restoring (sharded targets), restore_model and init_from paths."""
 
 import dataclasses
+import errno
+import logging
 import os
 import signal
 
 import jax
 import numpy as np
 import pytest
+from etils import epath
 from flax import nnx
 
 from configs import default
 from roformer import config as config_lib
 from roformer import runs, testing
+from roformer.errors import StorageFullError
 from roformer.infra import checkpoint, preemption, sharding
 from roformer.train import init_from, optimizer
 from roformer.train import state as state_lib
@@ -136,6 +140,7 @@ def test_restore_latest_readable_skips_a_truncated_checkpoint(tmp_path, train_st
   manager.wait_until_finished()
   data_files = [p for p in (tmp_path / "checkpoints" / "4" / "model").rglob("d/*") if p.is_file()]
   biggest = max(data_files, key=lambda p: p.stat().st_size)
+  size = biggest.stat().st_size
   biggest.write_bytes(biggest.read_bytes()[:50])
   _, model_abs, _, opt_abs = state_lib.abstract_train_state(
     run_config, tx, mesh, run_config.mesh.rules
@@ -143,7 +148,9 @@ def test_restore_latest_readable_skips_a_truncated_checkpoint(tmp_path, train_st
   restored, _, meta, step, unreadable = checkpoint.restore_latest_readable(
     manager, model_abs, opt_abs
   )
-  assert (step, unreadable, meta) == (2, [4], {"step": 2})
+  assert (step, meta) == (2, {"step": 2})
+  ((bad_step, why),) = unreadable
+  assert bad_step == 4 and why.endswith(f"holds 50 bytes, {size} when saved"), why
   for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(model_state), strict=True):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   moved = checkpoint.set_aside(tmp_path, 4)
@@ -169,6 +176,34 @@ def test_restore_latest_readable_without_a_readable_checkpoint_raises_one_line(
     checkpoint.restore_latest_readable(manager, model_abs, opt_abs)
   manager.close()
   assert "\n" not in str(error.value) and "step 3:" in str(error.value)
+
+
+def test_a_full_disk_while_saving_is_one_line_naming_the_last_complete_checkpoint(
+  tmp_path, train_state, monkeypatch, caplog
+):
+  _, _, _, (_, model_state, _, opt_state) = train_state
+  manager = checkpoint.make_manager(tmp_path)
+  checkpoint.save(manager, 2, model_state, opt_state, {"step": 2})
+  checkpoint.wait_until_saved(manager)
+  path_type = type(epath.Path(tmp_path))
+  write_text = path_type.write_text
+
+  def full_disk(self, *args, **kwargs):  # where Orbax marks a step committed
+    if self.name == "commit_success.txt":
+      raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    return write_text(self, *args, **kwargs)
+
+  monkeypatch.setattr(path_type, "write_text", full_disk)
+  with caplog.at_level(logging.INFO):
+    checkpoint.save(manager, 4, model_state, opt_state, {"step": 4})
+    with pytest.raises(StorageFullError) as error:
+      checkpoint.save(manager, 6, model_state, opt_state, {"step": 6})  # reports step 4's save
+    checkpoint.close(manager)  # the failure was reported once
+  message = str(error.value)
+  assert "\n" not in message and "the checkpoint of step 4" in message, message
+  assert "the disk is full" in message and "the last complete checkpoint is step 2" in message
+  assert not [r for r in caplog.records if r.exc_info], "Orbax's tracebacks were logged"
+  assert testing.checkpoint_steps(tmp_path) == [2]
 
 
 @pytest.mark.parametrize("suffix", ["", "checkpoints", "checkpoints/4"])

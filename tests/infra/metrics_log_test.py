@@ -1,8 +1,14 @@
 """Tests of the metrics writers: metrics.jsonl, TensorBoard events and the console lines."""
 
+import errno
 import json
+import logging
+import os
 import re
 
+import pytest
+
+from roformer.errors import StorageFullError
 from roformer.infra import metrics_log
 from roformer.testing import REPO
 
@@ -59,3 +65,43 @@ def test_metrics_writer_events_are_read_by_the_pinned_tensorboard(tmp_path):
   assert [(e.step, e.value) for e in events.Scalars("train_loss")] == [(10, 2.5), (20, 2.0)]
   records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   assert records == [{"step": 10, "train_loss": 2.5}, {"step": 20, "train_loss": 2.0}]
+
+
+WHOLE = b'{"step": 1, "train_loss": 3.0}\n{"step": 2, "train_loss": 2.5}\n'
+
+
+@pytest.mark.parametrize(
+  "tail", [b'{"step": 2.5, "train_lo', b"\x00" * 40 + b"\n"], ids=["cut_json", "zero_bytes"]
+)
+def test_metrics_writer_drops_an_unfinished_last_line_before_appending(tmp_path, caplog, tail):
+  (tmp_path / "metrics.jsonl").write_bytes(WHOLE + tail)
+  with caplog.at_level(logging.WARNING):
+    writer = metrics_log.MetricsWriter(tmp_path, enabled=True)
+  writer.write(3, {"train_loss": 2.0})
+  writer.close()
+  lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+  assert [json.loads(line)["step"] for line in lines] == [1, 2, 3]
+  (warning,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+  assert "metrics.jsonl" in warning and f"dropped {len(tail)} bytes" in warning
+
+
+@pytest.mark.parametrize("tail", [b"", b'{"step": 3, "train_loss": 2.0}'], ids=["whole", "no_eol"])
+def test_metrics_writer_keeps_every_whole_record(tmp_path, caplog, tail):
+  (tmp_path / "metrics.jsonl").write_bytes(WHOLE + tail)
+  with caplog.at_level(logging.WARNING):
+    metrics_log.MetricsWriter(tmp_path, enabled=True).close()
+  assert (tmp_path / "metrics.jsonl").read_bytes() == WHOLE + tail + (b"\n" if tail else b"")
+  assert not caplog.records
+
+
+def test_metrics_writer_reports_a_full_disk_in_one_line(tmp_path, monkeypatch):
+  writer = metrics_log.MetricsWriter(tmp_path, enabled=True)
+
+  def full(*args, **kwargs):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+  monkeypatch.setattr(type(writer._path), "open", full)
+  with pytest.raises(StorageFullError) as error:
+    writer.write(1, {"train_loss": 2.0})
+  writer.close()
+  assert "\n" not in str(error.value) and "the disk is full" in str(error.value)
