@@ -6,8 +6,9 @@ The logic lives in roformer/evals/ (ppl_vs_length.py, task_vs_length.py, perplex
   python eval.py --workdir=DIR --extend=self_extend --extend_window=64 --extend_group=4
   python eval.py --workdir=DIR --query_scale=logn   # a query temperature beyond the training length
   python eval.py --workdir=DIR --key_tokens [--key_short_window=K]   # + key-token ppl (LongPPL)
-  python eval.py --hf_model=HF_DIR [--workdir=OUT] [--lengths=...]   # a Hugging Face causal LM
-  python eval.py --compare=DIR1,DIR2 --plot=FILE.png
+  python eval.py --workdir=DIR --out_dir=OUT   # results in OUT/ instead of DIR/eval/
+  python eval.py --hf_model=HF_DIR --out_dir=OUT [--lengths=...]   # a Hugging Face causal LM
+  python eval.py --compare=DIR1,DIR2 --plot=FILE.png   # workdirs, --out_dir directories, JSONs
   python eval.py --workdir=DIR --task_lengths=8,32,256   # synthetic-task runs: accuracy vs length
   python eval.py --workdir=DIR --task_lengths=default --effective_threshold=0.856  # RULER's limit
   python eval.py --workdir=DIR --task_lengths=default --extend=dca --extend_chunk=96  # + extension
@@ -29,7 +30,13 @@ flags.DEFINE_string(
   "",
   "A Hugging Face Llama/Mistral/Qwen2/GPT-NeoX directory (config.json, safetensors, "
   "tokenizer.json) evaluated instead of a run; its max_position_embeddings is the training "
-  "length. Results go to --workdir if given, else HF_DIR/eval/.",
+  "length. Needs --out_dir: nothing is written into HF_DIR.",
+)
+flags.DEFINE_string(
+  "out_dir",
+  "",
+  "Directory of the results (NAME.json, NAME.png) instead of DIR/eval/, e.g. for a read-only "
+  "workdir; needed with --hf_model. Checked writable before any work.",
 )
 flags.DEFINE_list("lengths", [], "Window lengths; default: training length to 16x, powers of 2.")
 flags.DEFINE_enum("protocol", "both", ["nonoverlapping", "sliding", "both"], "Window protocol.")
@@ -68,7 +75,12 @@ flags.DEFINE_enum(
 )
 flags.DEFINE_string("data_files", "", "Glob of other text, tokenized with the run's tokenizer.")
 flags.DEFINE_string("out", "", "NAME of DIR/eval/NAME.json|png (or of the JSON --compare reads).")
-flags.DEFINE_list("compare", [], "Workdirs (or eval JSON files) to draw in one plot.")
+flags.DEFINE_multi_string(
+  "compare",
+  [],
+  "Workdirs, --out_dir directories or eval JSON files to draw in one plot, comma-separated (a "
+  "path that holds a comma is kept whole when it exists); repeatable.",
+)
 flags.DEFINE_string("plot", "", "Output PNG of --compare.")
 flags.DEFINE_bool("overwrite", False, "Replace an existing DIR/eval/NAME.json and NAME.png.")
 flags.DEFINE_list(
@@ -113,7 +125,7 @@ flags.DEFINE_integer(
 
 # Flags that only evaluating one --workdir reads (an error with --compare).
 WORKDIR_FLAGS = (
-  "workdir", "hf_model", "lengths", "protocol", "stride", "max_tokens", "split", "step",
+  "workdir", "hf_model", "out_dir", "lengths", "protocol", "stride", "max_tokens", "split", "step",
   "batch_size", "rope_scaling", "rope_factor", "window", "bca", "query_scale", "data_files",
   "overwrite", "task_lengths", "task_examples", "position_draws", "effective_fraction",
   "effective_threshold", "key_tokens", "key_short_window", *extend_flags.NAMES,
@@ -151,12 +163,27 @@ def _check_flag_combinations() -> None:
     for name in PERPLEXITY_FLAGS:
       if given(name):
         raise ValueError(f"--{name} applies to perplexity evaluation, not --task_lengths")
+  for name in ("lengths", "task_lengths"):
+    if given(name) and not FLAGS[name].value:
+      raise ValueError(
+        f"--{name} is empty: give lengths (--{name}=256,512), or leave it out for the defaults"
+      )
   if FLAGS.hf_model:
     for name in ("step", "task_lengths"):
       if given(name):
         raise ValueError(
           f"--{name} is not read with --hf_model (one set of weights, perplexity evaluation)"
         )
+    if FLAGS.workdir is not None:
+      raise ValueError(
+        "--workdir names a training run; --hf_model evaluates HF_DIR instead: give "
+        "--out_dir=DIR for its results"
+      )
+    if not FLAGS.out_dir:
+      raise ValueError(
+        "--hf_model needs --out_dir=DIR for its results (nothing is written into the model's "
+        "directory)"
+      )
 
 
 def main(argv):
@@ -173,12 +200,13 @@ def main(argv):
         raise ValueError("--compare needs --plot=FILE.png")
       if os.path.exists(FLAGS.plot) and not FLAGS.overwrite:
         raise FileExistsError(f"--plot={FLAGS.plot} exists; pass --overwrite to replace it")
+      sources = plots.split_sources(FLAGS.compare)
       if FLAGS.out.startswith("task"):  # task_vs_length JSON: accuracy curves
         from roformer.evals import task_plots
 
-        path = task_plots.compare_runs(FLAGS.compare, FLAGS.plot, name=FLAGS.out)
+        path = task_plots.compare_runs(sources, FLAGS.plot, name=FLAGS.out)
       else:
-        path = plots.compare_runs(FLAGS.compare, FLAGS.plot, name=FLAGS.out or plots.DEFAULT_NAME)
+        path = plots.compare_runs(sources, FLAGS.plot, name=FLAGS.out or plots.DEFAULT_NAME)
       print(f"wrote {path}")
       return
     if FLAGS.workdir is None and not FLAGS.hf_model:
@@ -229,6 +257,7 @@ def main(argv):
         extension=overrides.extension,
         query_scale=overrides.query_scale,
         log=lambda line: print(line, flush=True),
+        out_dir=FLAGS.out_dir,
       )
       return
     if not all(x.strip().isdigit() for x in FLAGS.lengths):
@@ -255,12 +284,13 @@ def main(argv):
       key_short_window=FLAGS.key_short_window,
     )
     ppl_vs_length.evaluate_workdir(
-      FLAGS.workdir or FLAGS.hf_model,
+      FLAGS.workdir or "",
       spec,
       step=FLAGS.step,
       overwrite=FLAGS.overwrite,
       log=lambda line: print(line, flush=True),
       hf_model=FLAGS.hf_model,
+      out_dir=FLAGS.out_dir,
     )
   except (ValueError, FileNotFoundError, FileExistsError) as e:
     # Bad input (config, data, missing checkpoint) is one clear line and exit 1, no traceback.

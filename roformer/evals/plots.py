@@ -209,42 +209,91 @@ def compare_runs(sources: Sequence[str], plot, *, name: str = DEFAULT_NAME) -> e
   """Draws several runs' eval JSON in one plot.
 
   Args:
-    sources: workdirs (their DIR/eval/NAME.json is read) or paths of eval JSON files.
+    sources: workdirs (their DIR/eval/NAME.json is read), eval.py --out_dir directories (their
+      NAME.json) or paths of eval JSON files.
     plot: output PNG path.
-    name: NAME of the JSON read from each workdir.
+    name: NAME of the JSON read from each directory.
 
   Returns:
     The PNG path.
   """
   runs = [
-    (run_label(workdir.name, result), result, training_length(workdir))
-    for workdir, result in read_results(sources, name, hint="")
+    (run_label(folder.name, result), result, training_length(run_of(folder, result)))
+    for folder, result in read_results(sources, name, hint="")
   ]
   return plot_runs(runs, plot)
 
 
+def split_sources(values: Sequence[str]) -> list[str]:
+  """eval.py --compare's values (the flag may repeat) as sources, split at commas; a path may
+  hold a comma: of the pieces left to place, the most that join into an existing path make one."""
+  sources = []
+  for value in values:
+    parts = value.split(",")
+    start = 0
+    while start < len(parts):
+      ends = range(len(parts), start, -1)
+      end = next((e for e in ends if epath.Path(",".join(parts[start:e]).strip()).exists()), None)
+      if end is None:
+        if parts[start].strip():
+          raise FileNotFoundError(f"--compare={value}: {parts[start].strip()} does not exist")
+        end = start + 1  # an empty piece: a trailing or doubled comma
+      elif ",".join(parts[start:end]).strip():
+        sources.append(",".join(parts[start:end]).strip())
+      start = end
+  if not sources:
+    raise ValueError("--compare is empty: give workdirs or eval JSON files, --compare=DIR1,DIR2")
+  return sources
+
+
 def read_results(sources: Sequence[str], name: str, *, hint: str) -> list[tuple]:
-  """(workdir, JSON dict) of each source: a workdir (its DIR/eval/NAME.json) or a JSON path.
+  """(directory, JSON dict) of each source: a workdir (its DIR/eval/NAME.json), a directory of
+  results (eval.py --out_dir: its NAME.json) or a JSON path; the directory names the curve.
 
   `hint` completes the eval.py command the error suggests when a JSON is missing.
   """
   results = []
   for source in sources:
     path = epath.Path(source)
-    workdir = path.parent.parent if path.suffix == ".json" else path
-    if path.suffix != ".json":
-      path = path / "eval" / f"{name}.json"
+    if path.suffix == ".json":
+      folder = path.parent.parent if path.parent.name == "eval" else path.parent
+    else:
+      folder = path
+      found = [p for p in (path / "eval" / f"{name}.json", path / f"{name}.json") if p.exists()]
+      path = found[0] if found else path / "eval" / f"{name}.json"
     if not path.exists():
-      raise FileNotFoundError(
-        f"{path} does not exist: run `python eval.py --workdir={workdir}{hint}` first"
-      )
-    results.append((workdir, json.loads(path.read_text())))
+      raise FileNotFoundError(_missing_result(path, folder, hint))
+    results.append((folder, json.loads(path.read_text())))
   return results
 
 
+def _missing_result(path: epath.Path, folder: epath.Path, hint: str) -> str:
+  """Why `path` cannot be drawn: the results its directory holds under other names (another
+  evaluation's, e.g. other lengths), else the eval.py command that makes it."""
+  # A workdir's results are in DIR/eval/; an --out_dir's beside it (a run's own directory, with
+  # its config.json and tokenizer.json, is not one).
+  folders = [folder / "eval"] + ([] if (folder / "config.json").exists() else [folder])
+  others = sorted(p.stem for d in folders if d.is_dir() for p in d.glob("*.json"))
+  if others:
+    return (
+      f"{path} does not exist; {folder} has the results {', '.join(others)}: pass --out=NAME "
+      "to draw one of them"
+    )
+  return f"{path} does not exist: run `python eval.py --workdir={folder}{hint}` first"
+
+
+def run_of(folder: epath.Path, result: dict) -> epath.Path:
+  """The directory of the run a result scores: the one it records when it was written away from
+  its run (eval.py --out_dir, --hf_model), else the directory it was read from."""
+  return epath.Path(result.get("workdir") or result.get("hf_model") or folder)
+
+
 def training_length(workdir) -> int:
-  """data.seq_len from DIR/config.json, or 0 for a JSON copied away from its run."""
+  """data.seq_len from DIR/config.json (an imported model's max_position_embeddings from its
+  config.json), or 0 for a JSON copied away from its run."""
   values = workdir_lib.read_config_json(workdir)
   if values is None:
     return 0
-  return int(values.get("data", {}).get("seq_len", 0))
+  if "data" not in values:  # a Hugging Face config.json
+    return int(values.get("max_position_embeddings") or 0)
+  return int(values["data"].get("seq_len", 0))

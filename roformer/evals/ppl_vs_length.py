@@ -13,6 +13,8 @@ from etils import epath
 from roformer import config as config_lib
 from roformer import data as data_lib
 from roformer import runs
+from roformer.data.sources.local_files import TEXT_ENCODING_ADVICE
+from roformer.errors import DataError
 from roformer.evals import key_tokens, perplexity, plots, results
 from roformer.evals.effective_length import describe, perplexity_effective_lengths
 from roformer.evals.perplexity import AUTO_BATCH_TOKENS
@@ -53,7 +55,7 @@ def load_eval_tokens(run_config, workdir, *, split: str = "validation", data_fil
 
   Args:
     run_config: the run's RunConfig (its DataConfig and tokenizer are reused).
-    workdir: the run's workdir (holds the trained tokenizer and the token cache).
+    workdir: the run's workdir (holds a trained tokenizer, read, never written); "" for none.
     split: "validation" or "test" of the run's corpus.
     data_files: a glob of other text files, tokenized with the run's tokenizer (replaces `split`).
 
@@ -67,8 +69,30 @@ def load_eval_tokens(run_config, workdir, *, split: str = "validation", data_fil
       data_cfg, source="files", files=data_files, validation_files=data_files
     )
     split = "validation"
-  corpus = data_lib.load_corpus(data_cfg, workdir=str(workdir), splits=(split,))
+  # Only a trained tokenizer is read from the workdir; given one by path (data.tokenizer=*.json,
+  # an imported model's), load_corpus would copy it there, and evaluation writes only results.
+  trained = data_cfg.tokenizer in ("bpe", "wordpiece")
+  try:
+    corpus = data_lib.load_corpus(
+      data_cfg, workdir=str(workdir) if trained else "", splits=(split,)
+    )
+  except DataError as e:
+    if not data_files:
+      raise
+    raise DataError(_as_data_files_flag(str(e), data_files, data_cfg.text_encoding)) from None
   return np.asarray(corpus.tokens(split)), corpus.tokenizer
+
+
+def _as_data_files_flag(message: str, data_files: str, encoding: str) -> str:
+  """A data error about --data_files in eval.py's words: the flag, not the data.files and
+  data.validation_files it sets, and no advice to set data.text_encoding, which eval.py keeps as
+  the run's."""
+  for field in ("data.files", "data.validation_files"):
+    message = message.replace(f"{field}={data_files!r}", f"--data_files={data_files}")
+  if TEXT_ENCODING_ADVICE in message:
+    message = message.replace(TEXT_ENCODING_ADVICE, "")
+    message += f" (eval.py reads --data_files as the run's data.text_encoding={encoding!r})"
+  return message
 
 
 def bin_positions(loss_sum_L, weight_sum_L, *, max_points: int = MAX_POSITION_POINTS) -> list:
@@ -116,11 +140,15 @@ def evaluate_workdir(
   overwrite: bool = False,
   log: Callable[[str], None] = print,
   hf_model: str = "",
+  out_dir: str = "",
 ) -> tuple[dict, epath.Path]:
-  """Evaluates a run's checkpoint as `spec` asks; writes DIR/eval/NAME.json and NAME.png.
+  """Evaluates a run's checkpoint as `spec` asks; writes NAME.json and NAME.png to DIR/eval/, or
+  to `out_dir`.
+
+  Whether the results can be written is checked before the model is loaded.
 
   Args:
-    workdir: the run's workdir; with `hf_model`, the directory the results go to.
+    workdir: the run's workdir; with `hf_model`, "" or a directory whose eval/ takes the results.
     spec: what to evaluate (lengths, protocols, tokens, overrides); None = EvalSpec().
     step: checkpoint step; None = latest.
     overwrite: replace an existing DIR/eval/NAME.json (else that is an error, before any work).
@@ -128,30 +156,43 @@ def evaluate_workdir(
     hf_model: a Hugging Face causal LM directory evaluated instead of a run's checkpoint
       (`runs.open_hf_model`: its tokenizer.json, its max_position_embeddings as the training
       length); its JSON records "step" 0 and "hf_model", the directory.
+    out_dir: the directory of NAME.json and NAME.png instead of DIR/eval/ (the JSON then records
+      "workdir", the run's); needed with `hf_model` when `workdir` is "".
 
   Returns:
     (the JSON dict written, the JSON path).
   """
   spec = spec or EvalSpec()
   spec.effective.check_perplexity_threshold()
-  workdir = epath.Path(workdir_lib.resolve(str(workdir)))
   if hf_model:
     if step is not None:
       raise ValueError("--step selects a run's checkpoint; --hf_model has one set of weights")
-    run_config, hf_decoder = runs.open_hf_model(workdir_lib.resolve(hf_model, flag="--hf_model"))
+    if not (workdir or out_dir):
+      raise ValueError(
+        "--hf_model needs --out_dir=DIR for its results (nothing is written into the model's "
+        "directory)"
+      )
+    hf_model = workdir_lib.resolve(hf_model, flag="--hf_model")
+  workdir = epath.Path(workdir_lib.resolve(str(workdir))) if workdir or not hf_model else None
+  eval_dir = results.output_dir(workdir, out_dir)
+  if hf_model:
+    results.check_writable(eval_dir, out_dir=out_dir)
+    run_config, hf_decoder = runs.open_hf_model(hf_model)
   else:
     run_config = config_lib.load_run_config(workdir)
+    results.check_writable(eval_dir, out_dir=out_dir)
+  name = workdir.name if workdir else epath.Path(hf_model).name
   seq_len = run_config.data.seq_len
   if spec.bca and run_config.model.kind != "decoder":
     raise ValueError("--bca (blockwise causal attention) applies to decoders only")
   key_window = spec.key_window_for(seq_len)
   if key_window:
     _check_key_tokens(run_config)
-  json_path = workdir / "eval" / f"{output_name(spec, seq_len=seq_len)}.json"
+  json_path = eval_dir / f"{output_name(spec, seq_len=seq_len)}.json"
   if json_path.exists() and not overwrite:
     raise FileExistsError(
       f"{json_path} exists{results.step_of(json_path)}; pass --overwrite to replace it, or "
-      "--out=NAME to write DIR/eval/NAME.json"
+      f"--out=NAME to write {eval_dir}/NAME.json"
     )
   lengths, window = spec.lengths_for(seq_len), spec.window_for(seq_len)
   if spec.stride and spec.stride > lengths[0] and "sliding" in spec.protocols:
@@ -174,7 +215,7 @@ def evaluate_workdir(
   else:
     model, step = runs.restore_for_eval(workdir, run_config, model_cfg, step=step)
   tokens, tokenizer = load_eval_tokens(
-    run_config, workdir, split=spec.split, data_files=spec.data_files
+    run_config, workdir or "", split=spec.split, data_files=spec.data_files
   )
   _check_vocabulary(tokens, model_cfg.vocab_size, run_config.data.tokenizer)
   log(
@@ -237,6 +278,8 @@ def evaluate_workdir(
     log(f"effective length ({proto}): {describe(result['effective_length'][proto])}")
   if hf_model:
     result["hf_model"] = str(hf_model)
+  elif out_dir:  # away from its run: --compare reads the training length from the run
+    result["workdir"] = str(workdir)
   if spec.extension is not None:
     result["context_extension"] = dataclasses.asdict(spec.extension)
   if spec.query_scale != "none":
@@ -245,9 +288,9 @@ def evaluate_workdir(
     result["key_tokens"] = key_tokens.settings(key_window)
   json_path = results.write_result(result, json_path)
   png_path = plots.plot_runs(
-    [(plots.run_label(workdir.name, result), result, seq_len)],
+    [(plots.run_label(name, result), result, seq_len)],
     json_path.with_suffix(".png"),
-    title=f"{workdir.name} step {step}",
+    title=f"{name} step {step}",
   )
   log(f"wrote {json_path} and {png_path}")
   return result, json_path

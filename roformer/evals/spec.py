@@ -7,6 +7,7 @@ driver (ppl_vs_length.py) reads only the spec. The spec also names its result fi
 """
 
 import dataclasses
+import re
 from collections.abc import Sequence
 
 from roformer.data import PROTOCOLS
@@ -121,6 +122,8 @@ class EvalSpec:
     if lengths and lengths[0] < 1:
       raise ValueError(f"--lengths must be positive, got {list(lengths)}")
     object.__setattr__(self, "lengths", lengths)
+    if self.max_tokens < 1:
+      raise ValueError(f"--max_tokens must be >= 1, got {self.max_tokens}")
     if self.window < 0:
       raise ValueError(f"--window must be > 0, got {self.window}")
     if self.key_short_window < 0:
@@ -180,7 +183,15 @@ def extension_from_options(kind: str = "none", **fields: int) -> ContextExtensio
   try:
     return ContextExtension(kind=kind, **given)
   except ValueError as e:  # name the flags, not the config fields
-    raise ValueError(str(e).replace("posenc.extension.", "--extend_")) from None
+    raise ValueError(_as_extend_flags(str(e), kind)) from None
+
+
+def _as_extend_flags(message: str, kind: str) -> str:
+  """A ContextExtension error in eval.py's words: posenc.extension.kind is --extend, the other
+  fields are --extend_<field>; the config's pointer to the flag (" (eval.py --extend_x)") goes."""
+  message = re.sub(r" \(eval\.py --extend_\w+\)", "", message)
+  message = message.replace(f"posenc.extension.kind={kind!r}", f"--extend={kind}")
+  return message.replace("posenc.extension.", "--extend_")
 
 
 def spec_from_options(

@@ -37,6 +37,7 @@ from roformer.evals.effective_length import EffectiveRule, describe, task_effect
 from roformer.evals.perplexity import AUTO_BATCH_TOKENS
 from roformer.evals.ppl_vs_length import label_notes, scaling_record
 from roformer.evals.spec import RopeOverride, overrides_suffix, rope_options
+from roformer.infra import workdir as workdir_lib
 from roformer.posenc import randomized as randomized_positions
 from roformer.posenc.config import ContextExtension
 
@@ -155,8 +156,10 @@ def evaluate_tasks(
   extension: ContextExtension | None = None,
   query_scale: str = "none",
   log: Callable[[str], None] = print,
+  out_dir: str = "",
 ) -> tuple[dict, epath.Path]:
-  """Scores a synthetic-task run at several task lengths; writes DIR/eval/NAME.json and .png.
+  """Scores a synthetic-task run at several task lengths; writes NAME.json and .png to DIR/eval/,
+  or to `out_dir` (checked writable before the model is loaded).
 
   RoPE scalings, attention windows, context extensions and query temperatures apply as in
   perplexity evaluation (`runs.eval_model_config`); an "auto" factor is an example's length over
@@ -182,12 +185,16 @@ def evaluate_tasks(
     query_scale: a query temperature applied at evaluation (`spec.EVAL_QUERY_SCALES`), with
       data.seq_len as its training length; "none" = as trained.
     log: where progress lines go.
+    out_dir: the directory of the results instead of DIR/eval/ (the JSON then records
+      "workdir", the run's).
 
   Returns:
     (the JSON dict written, its path).
   """
-  workdir = epath.Path(workdir)
+  workdir = epath.Path(workdir_lib.resolve(str(workdir)))
   run_config = config_lib.load_run_config(workdir)
+  eval_dir = results.output_dir(workdir, out_dir)
+  results.check_writable(eval_dir, out_dir=out_dir)
   data = run_config.data
   if data.source != "synthetic":
     raise ValueError(
@@ -303,7 +310,9 @@ def evaluate_tasks(
   name = out or DEFAULT_NAME + overrides_suffix(
     rope=rope, window=window, extension=extension, query_scale=query_scale
   )
-  json_path = results.write_result(result, workdir / "eval" / f"{name}.json")
+  if out_dir:  # away from its run: name the run it scores
+    result["workdir"] = str(workdir)
+  json_path = results.write_result(result, eval_dir / f"{name}.json")
   png_path = task_plots.plot_task_runs(
     [(task_plots.run_label(workdir.name, result), result)],
     json_path.with_suffix(".png"),

@@ -244,6 +244,7 @@ def test_eval_cli_compare_writes_one_png_of_several_runs(tmp_path):
   again = _run_cli(f"--compare={tmp_path / 'a'}", f"--plot={plot}", "--overwrite")
   assert again.returncode == 0, again.stderr
   other = tmp_path / "other.png"
+  (tmp_path / "nothing").mkdir()  # a directory without results
   missing = _run_cli(f"--compare={tmp_path / 'a'},{tmp_path / 'nothing'}", f"--plot={other}")
   assert missing.returncode != 0 and "Traceback" not in missing.stderr
   assert "eval.py --workdir=" in missing.stderr

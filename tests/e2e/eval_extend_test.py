@@ -131,12 +131,12 @@ def _run_cli(*args):
 
 def test_eval_cli_extend_writes_its_result_and_refuses_unread_numbers(hf_dir, tmp_path):
   common = (
-    f"--hf_model={hf_dir}", f"--workdir={tmp_path}", "--lengths=32", "--max_tokens=64",
+    f"--hf_model={hf_dir}", f"--out_dir={tmp_path}", "--lengths=32", "--max_tokens=64",
     "--protocol=nonoverlapping", f"--data_files={hf_dir.parent / 'text/*.txt'}",
   )  # fmt: skip
   done = _run_cli(*common, "--extend=rerope", "--extend_window=8")
   assert done.returncode == 0, done.stderr
-  path = tmp_path / "eval" / "ppl_vs_length_files_len32_nonoverlapping_tok64_rerope_window8.json"
+  path = tmp_path / "ppl_vs_length_files_len32_nonoverlapping_tok64_rerope_window8.json"
   assert json.loads(path.read_text())["context_extension"]["kind"] == "rerope"
   refused = _run_cli(*common, "--extend=rerope", "--extend_window=8", "--extend_group=2")
   assert refused.returncode == 1

@@ -83,7 +83,8 @@ def test_hf_model_rope_scaling_override_and_output_directory(hf_dir, tmp_path):
     out, hf_dir, lengths=[32], protocol="nonoverlapping", rope_scaling="linear", rope_factor=4.0
   )
   assert path == out / "eval" / "ppl_vs_length_files_len32_nonoverlapping_tok64_linear_4.json"
-  assert (out / "tokenizer.json").exists() and not (hf_dir / "eval").exists()
+  # Only results are written: the model's tokenizer is read where it is, not copied.
+  assert sorted(p.name for p in out.iterdir()) == ["eval"] and not (hf_dir / "eval").exists()
   assert scaled["rope_scaling"] == {"kind": "linear", "factor": 4.0}
   assert scaled["records"][0]["loss"] != plain["records"][0]["loss"]
 
@@ -105,18 +106,19 @@ def _run_cli(*args):
   return testing.run_script("eval.py", *args)
 
 
-def test_eval_cli_hf_model_writes_its_result_and_refuses_step(hf_dir):
+def test_eval_cli_hf_model_writes_its_result_and_refuses_step(hf_dir, tmp_path):
   text = str(hf_dir.parent / "text/*.txt")
   done = _run_cli(
-    f"--hf_model={hf_dir}", "--lengths=16", "--max_tokens=32", "--protocol=sliding",
-    f"--data_files={text}", "--rope_scaling=yarn", "--rope_factor=auto",
+    f"--hf_model={hf_dir}", f"--out_dir={tmp_path / 'out'}", "--lengths=16", "--max_tokens=32",
+    "--protocol=sliding", f"--data_files={text}", "--rope_scaling=yarn", "--rope_factor=auto",
   )  # fmt: skip
   assert done.returncode == 0, done.stderr
   written = json.loads(
-    (hf_dir / "eval" / "ppl_vs_length_files_len16_sliding_tok32_yarn_auto.json").read_text()
+    (tmp_path / "out" / "ppl_vs_length_files_len16_sliding_tok32_yarn_auto.json").read_text()
   )
   assert written["records"][0]["protocol"] == "sliding" and written["hf_model"] == str(hf_dir)
-  refused = _run_cli(f"--hf_model={hf_dir}", "--step=3")
+  assert not (hf_dir / "eval").exists()
+  refused = _run_cli(f"--hf_model={hf_dir}", f"--out_dir={tmp_path / 'out'}", "--step=3")
   assert refused.returncode == 1
   assert refused.stderr.strip().splitlines()[-1] == (
     "eval.py: error: --step is not read with --hf_model (one set of weights, perplexity evaluation)"

@@ -23,6 +23,8 @@ from roformer.errors import DataError
 log = logging.getLogger(__name__)
 
 BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+# The advice of an undecodable file that a tool without a data.text_encoding flag leaves out.
+TEXT_ENCODING_ADVICE = "set data.text_encoding to the file's encoding (e.g. latin-1), or "
 
 
 def expand(patterns: str, *, field: str) -> list[str]:
@@ -163,8 +165,8 @@ def _check_decodable(path: str, encoding: str, *, where: str) -> None:
     f.seek(offset)
     byte = f.read(1)[0]
   raise DataError(
-    f"{where}: {path} is not {encoding} text (byte 0x{byte:02x} at offset {offset}); set "
-    f"data.text_encoding to the file's encoding (e.g. latin-1), or convert the file to {encoding}"
+    f"{where}: {path} is not {encoding} text (byte 0x{byte:02x} at offset {offset}); "
+    f"{TEXT_ENCODING_ADVICE}convert the file to {encoding}"
   )
 
 
