@@ -8,7 +8,6 @@ from collections.abc import Sequence
 
 from experiments import grid, report
 from roformer.evals import plots, task_plots
-from roformer.evals.spec import extension_switches
 from roformer.posenc.config import EXTENSION_FIELDS
 
 TASK_COLUMNS = ("task", "run", "method", "length", "tokens", "exact_match", "token_accuracy")
@@ -22,8 +21,7 @@ def method_settings(method: str, result: dict) -> str:
     return "as trained" + (f" ({scaling['kind']}, factor {scaling['factor']})" if scaling else "")
   extension = result.get("context_extension")
   if extension:
-    numbers = [f"{f} {extension[f]}" for f in EXTENSION_FIELDS[extension["kind"]]]
-    return ", ".join(numbers + [f.replace("_", " ") for f in extension_switches(extension)])
+    return ", ".join(f"{f} {extension[f]}" for f in EXTENSION_FIELDS[extension["kind"]])
   if scaling:
     return f"factor {scaling['factor']}"
   window = result.get("attention_window")

@@ -4,20 +4,18 @@ once. Imports no JAX, so the CLIs can define their flags before JAX starts."""
 from absl import flags
 
 # roformer.posenc.config.EXTENSION_KINDS (tests/evals/extend_flags_test.py keeps them equal).
-KINDS = ("none", "self_extend", "dca", "rerope", "string", "sinks")
+KINDS = ("none", "self_extend", "self_extend_longlm", "dca", "rerope", "string", "sinks")
 
 # --extend_<field>: the ContextExtension field each sets, with its meaning per kind.
 FIELDS = {
-  "window": "self_extend: neighbour window W; rerope: clamp w; sinks: recent keys (query too).",
-  "group": "self_extend: group size G.",
+  "window": "self_extend(_longlm): neighbour window W; rerope: clamp w; sinks: recent keys (query "
+  "too).",
+  "group": "self_extend(_longlm): group size G.",
   "chunk": "dca: chunk length s.",
   "local": "dca: local window w; string: local value W.",
   "shift": "string: shifted offset S.",
   "sinks": "sinks: first tokens every query keeps.",
-  "true_division": "self_extend: grouped query offset W - W/G (LongLM's code), not W - floor(W/G).",
 }
-# The --extend_<field> flags that are switches (bool), the others being numbers.
-SWITCHES = ("true_division",)
 NAMES = ("extend", *(f"extend_{field}" for field in FIELDS))
 
 
@@ -28,12 +26,9 @@ def define_flags() -> None:
     "extension); its numbers are the --extend_* flags it reads.",
   )  # fmt: skip
   for field, help_text in FIELDS.items():
-    if field in SWITCHES:
-      flags.DEFINE_boolean(f"extend_{field}", False, help_text)
-    else:
-      flags.DEFINE_integer(f"extend_{field}", 0, help_text)
+    flags.DEFINE_integer(f"extend_{field}", 0, help_text)
 
 
-def values(flag_values) -> tuple[str, dict[str, int | bool]]:
+def values(flag_values) -> tuple[str, dict[str, int]]:
   """(--extend, {field: --extend_<field>}) for `roformer.evals.spec.extension_from_options`."""
   return flag_values.extend, {field: flag_values[f"extend_{field}"].value for field in FIELDS}

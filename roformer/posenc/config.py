@@ -99,12 +99,13 @@ class RopeScaling:
 
 
 # Training-free context extensions (roformer/posenc/extension.py); "none" leaves positions alone.
-EXTENSION_KINDS = ("none", "self_extend", "dca", "rerope", "string", "sinks")
+EXTENSION_KINDS = ("none", "self_extend", "self_extend_longlm", "dca", "rerope", "string", "sinks")
 
 
 # The ContextExtension fields each kind reads.
 EXTENSION_FIELDS = {
   "self_extend": ("window", "group"),
+  "self_extend_longlm": ("window", "group"),
   "dca": ("chunk", "local"),
   "rerope": ("window",),
   "string": ("shift", "local"),
@@ -112,8 +113,6 @@ EXTENSION_FIELDS = {
 }
 # Read fields that may stay 0: DCA's local window, STRING's local value, the number of sinks.
 _MAY_BE_ZERO = ("local", "sinks")
-# The ContextExtension switches (bool fields, off by default) each kind reads besides its numbers.
-EXTENSION_SWITCHES = {"self_extend": ("true_division",)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,20 +121,23 @@ class ContextExtension:
   (query, key) pair is remapped at evaluation (`roformer.posenc.extension`).
 
   Which fields a kind reads (each must then be set; 0 means "not set"):
-    self_extend: window (neighbour window W), group (group size G); true_division (LongLM's
-      grouped-query offset W - W / G instead of W - floor(W / G)).
+    self_extend, self_extend_longlm: window (neighbour window W), group (group size G).
     dca: chunk (chunk length s), local (local window w).
     rerope: window (the clamp w).
     string: shift (shifted offset S), local (local value W < S).
     sinks: sinks (first tokens kept), window (recent keys, the query included).
   """
 
-  kind: str = param("none", "one of: none, self_extend, dca, rerope, string, sinks")
+  kind: str = param(
+    "none", "one of: none, self_extend, self_extend_longlm, dca, rerope, string, sinks"
+  )
   window: int = param(
-    0, "self_extend: neighbour window W; rerope: clamp w; sinks: recent keys (the query included)"
+    0,
+    "self_extend(_longlm): neighbour window W; rerope: clamp w; sinks: recent keys (the query "
+    "included)",
   )
   group: int = param(
-    0, "self_extend: group size G (positions beyond the window are floor(pos / G))"
+    0, "self_extend(_longlm): group size G (positions beyond the window are floor(pos / G))"
   )
   chunk: int = param(0, "dca: chunk length s (intra-chunk positions are pos mod s)")
   local: int = param(
@@ -144,11 +146,6 @@ class ContextExtension:
   shift: int = param(0, "string: shifted offset S (distances >= S become d - S + W)")
   sinks: int = param(
     0, "sinks: the first tokens every query keeps (StreamingLLM's attention sinks)"
-  )
-  true_division: bool = param(
-    False,
-    "self_extend: offset the grouped query by W - W / G, a true division as LongLM's code "
-    "(fractional when G does not divide W); False: W - floor(W / G), integer positions",
   )
 
   def __post_init__(self):
@@ -164,10 +161,6 @@ class ContextExtension:
           f"posenc.extension.kind={self.kind!r} needs posenc.extension.{name} >= 1 "
           f"(eval.py --extend_{name})"
         )
-    if self.true_division and "true_division" not in EXTENSION_SWITCHES.get(self.kind, ()):
-      raise ValueError(
-        f"posenc.extension.true_division=True is read by kind 'self_extend' only, not {self.kind!r}"
-      )
     if self.kind == "string" and self.local >= self.shift:
       raise ValueError(
         f"posenc.extension.local={self.local} must be below posenc.extension.shift="

@@ -40,14 +40,15 @@ def self_extend(ext: ContextExtension, qpos_BL, kpos_BS) -> tuple[Piece, ...]:
   Keys within the neighbour window W (distance < W) keep their positions; farther keys take
   grouped positions floor(j / G) and the query floor(i / G) + W - floor(W / G), so that the
   grouped distance continues where the neighbour distances stop and every position stays an
-  integer. LongLM's code (`self_extend_patch/Llama.py`, group_query_position) divides truly:
-  floor(i / G) + W - W / G, the same when G divides W and otherwise fractional, W / G -
-  floor(W / G) positions closer (0.45 at W = 32, G = 22). `ext.true_division` selects that form;
-  its query rotation positions are then float32 (RoPE's angles are float32 products anyway).
+  integer (kind "self_extend"). LongLM's code (`self_extend_patch/Llama.py`,
+  group_query_position) divides truly: floor(i / G) + W - W / G, the same when G divides W and
+  otherwise W / G - floor(W / G) positions closer (0.45 at W = 32, G = 22); kind
+  "self_extend_longlm" takes that form, its query rotation positions then float32 (RoPE's angles
+  are float32 products anyway).
   """
   W, G = ext.window, ext.group
   near_BLS = _distance(qpos_BL, kpos_BS) < W
-  if ext.true_division:
+  if ext.kind == "self_extend_longlm":
     grouped_q_BL = (qpos_BL // G).astype(jnp.float32) + jnp.float32(W - W / G)
   else:
     grouped_q_BL = qpos_BL // G + W - W // G
@@ -133,6 +134,7 @@ def attention_sinks(ext: ContextExtension, qpos_BL, kpos_BS) -> tuple[Piece, ...
 
 EXTENSIONS: dict[str, Callable[..., tuple[Piece, ...]]] = {
   "self_extend": self_extend,
+  "self_extend_longlm": self_extend,
   "dca": dual_chunk,
   "rerope": rerope,
   "string": shifted,

@@ -36,7 +36,7 @@ def hand_self_extend(L, W, G):
   return out
 
 
-def hand_self_extend_true_division(L, W, G):
+def hand_self_extend_longlm(L, W, G):
   # LongLM's self_extend_patch/Llama.py: group_query_position = i // G + W - W / G (a float),
   # group_key_position = j // G; neighbours (i - j < W) keep i - j.
   out = np.full((L, L), float(MASKED))
@@ -116,21 +116,21 @@ def test_self_extend_distances_by_hand_small_example():
 
 
 @pytest.mark.parametrize("W, G", [(32, 22), (20, 9), (32, 6), (7, 3)])
-def test_self_extend_true_division_is_longlm_offset(W, G):
+def test_self_extend_longlm_takes_the_reference_code_true_division(W, G):
   # The committed grids' settings (32/22, 20/9, 32/6) and a small one: the grouped distances
   # are W / G - floor(W / G) closer than the default's, the neighbour distances unchanged.
   L = 3 * W + 5
-  ext = ContextExtension("self_extend", window=W, group=G, true_division=True)
+  ext = ContextExtension("self_extend_longlm", window=W, group=G)
   got = effective_distance(ext, L)
-  np.testing.assert_allclose(got, hand_self_extend_true_division(L, W, G), rtol=0, atol=1e-5)
+  np.testing.assert_allclose(got, hand_self_extend_longlm(L, W, G), rtol=0, atol=1e-5)
   floor = effective_distance(ContextExtension("self_extend", window=W, group=G), L)
   grouped = np.tril(np.ones((L, L), bool), -W)
   np.testing.assert_allclose((floor - got)[grouped], W / G - W // G, rtol=0, atol=1e-5)
   np.testing.assert_array_equal(got[~grouped], floor[~grouped])
 
 
-def test_self_extend_true_division_equals_the_default_when_g_divides_w():
-  ext = ContextExtension("self_extend", window=8, group=4, true_division=True)
+def test_self_extend_longlm_equals_self_extend_when_g_divides_w():
+  ext = ContextExtension("self_extend_longlm", window=8, group=4)
   np.testing.assert_array_equal(effective_distance(ext, 40), hand_self_extend(40, 8, 4))
 
 
@@ -173,13 +173,13 @@ def test_extension_keeps_every_distance_inside_its_bound():
   "fields, message",
   [
     (dict(kind="self_extend", window=4), "extension.group >= 1"),
+    (dict(kind="self_extend_longlm", group=4), "extension.window >= 1"),
     (dict(kind="dca"), "extension.chunk >= 1"),
     (dict(kind="rerope"), "extension.window >= 1"),
     (dict(kind="string", shift=4, local=4), "must be below"),
     (dict(kind="sinks", sinks=4), "extension.window >= 1"),
     (dict(kind="yarn"), "is not one of"),
     (dict(kind="rerope", window=3, local=-1), "must be >= 0"),
-    (dict(kind="rerope", window=3, true_division=True), "read by kind 'self_extend' only"),
   ],
 )
 def test_extension_config_refuses_missing_or_bad_fields(fields, message):

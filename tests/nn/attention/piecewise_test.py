@@ -21,7 +21,7 @@ BASE = 10000.0
 
 EXTENSIONS = [
   ContextExtension("self_extend", window=4, group=3),
-  ContextExtension("self_extend", window=5, group=3, true_division=True),  # fractional queries
+  ContextExtension("self_extend_longlm", window=5, group=3),  # fractional query positions
   ContextExtension("dca", chunk=6, local=2),
   ContextExtension("rerope", window=5),
   ContextExtension("string", shift=9, local=3),
