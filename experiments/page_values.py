@@ -101,7 +101,8 @@ class Extrapolation(_Values):
     return _percent(self._ppl(scale, run_a, length_a), self._ppl(scale, run_b, length_b))
 
   def effective(self, scale: str, run: str, protocol: str = "nonoverlapping") -> str:
-    """RULER's effective length of the run's first evaluation, as table.md gives it."""
+    """The effective length of the run's first evaluation (eval.py's default limit, relative to
+    the run's loss at L), as table.md gives it."""
     record = self.record(scale, run)
     seq_len = report.read_header(self.root / scale)[1]
     return report._effective(record["evaluations"][0]["result"], protocol, seq_len)
@@ -182,6 +183,14 @@ class Extension(_Values):
 
   def tok(self, scale: str, task: str, method: str, n: str) -> str:
     return self._task(scale, task, method, n, "token_accuracy")
+
+  def multiple(self, scale: str, task: str, n: str) -> str:
+    """The input tokens of the task at length n over those at its longest training length, as
+    the plain run scored them: a task length 2x its training one is fewer than 2x the tokens,
+    the prompt's fixed part not growing."""
+    result = self._run(scale, "plain", task)["evaluations"][0]["result"]
+    tokens = {str(r["length"]): r["tokens"] for r in result["records"] if "tokens" in r}
+    return f"{tokens[n] / tokens[str(result['train_lengths'][1])]:.1f}"
 
   def effective_n(self, scale: str, task: str, method: str) -> str:
     result = self._run(scale, method, task)["evaluations"][0]["result"]

@@ -85,10 +85,11 @@ def write_extrapolation(
   full = [r for r in records if r.get("budget") == "full" and "evaluations" in r]
   lines = [f"# Length extrapolation ({scale} scale, training length {seq_len})", ""]
   lines += [
-    "Effective L: RULER's effective length with eval.py's default limit, the last length before "
-    f"the first whose loss is more than -ln 0.9 = 0.105 nats above the loss at {seq_len}, read "
-    f"from {seq_len} up (`{lengths[-1] if lengths else 0}+`: no evaluated length leaves the "
-    "margin).",
+    "Effective L: eval.py's default limit, relative to the run's own loss, read as RULER reads "
+    "its effective length: the last length before the first whose loss is more than -ln 0.9 = "
+    f"0.105 nats above the loss at {seq_len}, read from {seq_len} up "
+    f"(`{lengths[-1] if lengths else 0}+`: no evaluated length leaves the margin). Not RULER's "
+    "effective length, whose limit is one absolute task score for every model.",
     "",
   ]
   for protocol in ("nonoverlapping", "sliding"):

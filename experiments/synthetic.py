@@ -383,10 +383,11 @@ def write_summaries(out: str, results: list[dict], draw: bool = True) -> None:
     "Randomized runs are scored at randomized positions as in training: the mean over "
     "draws of positions (each draw's scores are in the run's JSON).",
     "",
-    "Effective n: RULER's effective length with the limit 0.9 x the run's score at its longest "
-    "training length, the last length before the first one under the limit, read from that "
-    "length up (eval.py's default; `64+`: no evaluated length under the limit; `-`: scoring 0 "
-    "at the training length).",
+    "Effective n: the last length before the first one under 0.9 x the run's own score at its "
+    "longest training length, read from that length up as RULER reads its effective length "
+    "(eval.py's default; `64+`: no evaluated length under the limit; `-`: scoring 0 at the "
+    "training length). The limit is relative to the run, where RULER's is one absolute score "
+    "for every model.",
     "",
   ]
   for task in dict.fromkeys(r["task"] for r in results):
