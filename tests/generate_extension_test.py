@@ -13,6 +13,7 @@ from roformer.posenc.config import ContextExtension
 # Small enough that every kind remaps distances within the 3 + 6 generated positions.
 EXTENSIONS = [
   ContextExtension("self_extend", window=2, group=2),
+  ContextExtension("self_extend_longlm", window=3, group=2),  # fractional query positions
   ContextExtension("dca", chunk=3, local=1),
   ContextExtension("rerope", window=2),
   ContextExtension("string", shift=3, local=1),
