@@ -89,3 +89,20 @@ def test_benchmark_smoke_run_prints_its_table(script):
   assert proc.returncode == 0, proc.stderr[-2000:]
   for pattern in expected:
     assert re.search(pattern, proc.stdout, re.MULTILINE), (pattern, proc.stdout[-2000:])
+
+
+def test_checkpoint_digest_times_the_save_the_manifest_and_a_restore(tmp_path):
+  # In-process: the table's rows are its measure(); the smoke model's state.
+  from benchmarks import checkpoint_digest
+
+  _, (model_state, opt_state), (model_abs, opt_abs) = checkpoint_digest._train_state(smoke=True)
+  size, files, rows = checkpoint_digest.measure(
+    tmp_path, model_state, opt_state, model_abs, opt_abs, repeats=1
+  )
+  assert [name for name, _ in rows] == [
+    "save, manifest included",
+    "manifest written",
+    "manifest checked",
+    "restore (no check)",
+  ]
+  assert size > 0 and files > 10 and all(seconds > 0 for _, seconds in rows)
