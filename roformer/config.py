@@ -16,6 +16,7 @@ from etils import epath
 from roformer.data import synthetic
 from roformer.data.config import SOURCE_FIELDS, SOURCES, TOKENIZERS, DataConfig
 from roformer.errors import ConfigError
+from roformer.fields import param
 from roformer.hf.decoders import DECODER_MODEL_TYPES
 from roformer.infra.sharding import MESH_AXES, MeshConfig
 from roformer.infra.workdir import CONFIG_FILE, read_config_json
@@ -40,31 +41,53 @@ RESUMABLE_FIELDS = (
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
-  learning_rate: float = 3e-4
-  schedule: str = "cosine"  # cosine | linear | constant
-  warmup_steps: int = 1000
-  final_learning_rate_fraction: float = 0.1  # end of the decay, as a fraction of the peak
-  weight_decay: float = 0.1  # never applied to 1-D parameters (norms, biases)
-  b1: float = 0.9
-  b2: float = 0.95
-  eps: float = 1e-8
-  grad_clip_norm: float = 1.0  # 0 = no clipping
-  grad_accum_steps: int = 1
+  learning_rate: float = param(3e-4, "Peak learning rate (reached at the end of warmup).")
+  schedule: str = param("cosine", 'Decay after warmup: "cosine", "linear" or "constant".')
+  warmup_steps: int = param(1000, "Steps of linear warmup from 0 to the peak learning rate.")
+  final_learning_rate_fraction: float = param(
+    0.1, "Learning rate at the last step, as a fraction of the peak (cosine and linear)."
+  )
+  weight_decay: float = param(
+    0.1, "Decoupled weight decay; norms, biases and other 1-D parameters are never decayed."
+  )
+  b1: float = param(0.9, "Adam first-moment decay.")
+  b2: float = param(0.95, "Adam second-moment decay.")
+  eps: float = param(1e-8, "Adam epsilon.")
+  grad_clip_norm: float = param(1.0, "Clip gradients to this global L2 norm (0 = no clipping).")
+  grad_accum_steps: int = param(
+    1, "Split each global batch into this many microbatches whose gradients are summed."
+  )
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-  global_batch_size: int = 64
-  num_train_steps: int = 100_000
-  seed: int = 0
-  log_every_steps: int = 100
-  eval_every_steps: int = 2000  # 0 = only at the end
-  eval_max_tokens: int = 65_536  # 0 = no evaluation
-  eval_batch_size: int = 0  # 0 = global_batch_size
-  checkpoint_every_steps: int = 2000  # 0 = only at the end
-  keep_checkpoints: int = 3
-  # Another run's workdir, a Hugging Face RoFormer or a Hugging Face decoder directory.
-  init_from: str = ""
+  global_batch_size: int = param(
+    64, "Sequences per optimizer step, over all devices and processes."
+  )
+  num_train_steps: int = param(
+    100_000, "Total optimizer steps (a rerun may raise it to continue training)."
+  )
+  seed: int = param(0, "Seed of parameter initialisation, data order and dropout.")
+  log_every_steps: int = param(100, "Write train metrics and a console line every this many steps.")
+  eval_every_steps: int = param(
+    2000, "Evaluate on the validation split every this many steps (0 = only at the end)."
+  )
+  eval_max_tokens: int = param(
+    65_536, "Validation targets scored per evaluation (0 = no evaluation)."
+  )
+  eval_batch_size: int = param(0, "Windows per evaluation batch: 0 = train.global_batch_size.")
+  checkpoint_every_steps: int = param(
+    2000,
+    "Save a checkpoint every this many steps (0 = only at the end); always saved at the end.",
+  )
+  keep_checkpoints: int = param(3, "Number of most recent checkpoints kept.")
+  init_from: str = param(
+    "",
+    "Initialise parameters from another run's workdir (or its checkpoints/ directory), from a "
+    "Hugging Face RoFormer directory, or from a Hugging Face decoder directory (whose "
+    'config.json fixes model.* and posenc.*: configs/hf_decoder.py:DIR sets them); "" = random '
+    "initialisation. Ignored when resuming.",
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -518,6 +541,26 @@ def unused_encoding_field(name: str, posenc: PosEncConfig) -> bool:
     return False
   kinds = [k for k in dict.fromkeys(pattern_kinds(posenc)) if k in registry.POSENCS]
   return not any(field in registry.fields_of(k) for k in kinds)
+
+
+# ModelConfig's fields that no config file sets: the tokenizer fixes the vocabulary size, and the
+# encoding is a group of its own (posenc_defaults).
+_MODEL_FIELDS_OUTSIDE_FILES = ("vocab_size", "posenc")
+
+
+def group_fields(group: str) -> tuple[dataclasses.Field, ...]:
+  """The fields of config group `group` (model, data, optim, train or mesh), each with the
+  default and doc its dataclass (RunConfig's field of that name) declares."""
+  groups = typing.get_type_hints(RunConfig)
+  if group not in groups:
+    raise KeyError(f"no config group {group!r}; groups with a dataclass: {', '.join(groups)}")
+  skip = _MODEL_FIELDS_OUTSIDE_FILES if group == "model" else ()
+  return tuple(f for f in dataclasses.fields(groups[group]) if f.name not in skip)
+
+
+def group_defaults(group: str) -> dict:
+  """Config group `group`'s fields and their defaults: that group of configs/default.py."""
+  return {f.name: f.default for f in group_fields(group)}
 
 
 def posenc_defaults() -> dict:

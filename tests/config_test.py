@@ -4,7 +4,7 @@ import dataclasses
 import importlib
 import json
 import re
-from pathlib import Path
+import typing
 
 import pytest
 
@@ -13,14 +13,9 @@ from roformer import config as config_lib
 from roformer import posenc
 from roformer.config import ConfigError
 from roformer.data.config import DataConfig
+from roformer.fields import field_doc
 from roformer.nn.config import ModelConfig
 from roformer.posenc.config import ContextExtension, PosEncConfig, RopeScaling
-
-REPO = Path(__file__).resolve().parent.parent
-
-
-def _names(cls, *, skip=()) -> set[str]:
-  return {f.name for f in dataclasses.fields(cls)} - set(skip)
 
 
 def _config_dict(**overrides):
@@ -34,57 +29,49 @@ def _config_dict(**overrides):
   return config
 
 
-@pytest.mark.parametrize(
-  "group, cls, skip",
-  [
-    ("model", ModelConfig, ("vocab_size", "posenc")),
-    ("data", DataConfig, ()),
-    ("optim", config_lib.OptimConfig, ()),
-    ("train", config_lib.TrainConfig, ()),
-    ("mesh", config_lib.MeshConfig, ()),
-  ],
-)
-def test_default_config_fields_match_dataclasses(group, cls, skip):
-  node = default.get_config()
-  for part in group.split("."):
-    node = node[part]
-  fields = {k for k, v in node.items() if not hasattr(v, "keys")}
-  assert fields == _names(cls, skip=skip)
+GROUP_CLASSES = {
+  "model": ModelConfig,
+  "data": DataConfig,
+  "optim": config_lib.OptimConfig,
+  "train": config_lib.TrainConfig,
+  "mesh": config_lib.MeshConfig,
+}
 
 
-@pytest.mark.parametrize(
-  "group, cls",
-  [
-    ("model", ModelConfig),
-    ("data", DataConfig),
-    ("optim", config_lib.OptimConfig),
-    ("train", config_lib.TrainConfig),
-    ("mesh", config_lib.MeshConfig),
-  ],
-)
-def test_dataclass_defaults_are_the_values_of_configs_default(group, cls):
-  # One home for defaults: a dataclass built with no arguments is configs/default.py's run.
-  loaded = config_lib.run_config_from_dict(default.get_config())
-  for part in group.split("."):
-    loaded = getattr(loaded, part)
-  differ = {
-    f.name: (getattr(cls(), f.name), getattr(loaded, f.name))
-    for f in dataclasses.fields(cls)
-    if not dataclasses.is_dataclass(getattr(loaded, f.name))
-    and getattr(cls(), f.name) != getattr(loaded, f.name)
-  }  # fmt: skip
-  assert not differ, f"{group}: (dataclass default, configs/default.py) {differ}"
+@pytest.mark.parametrize("group, cls", GROUP_CLASSES.items())
+def test_every_config_field_is_declared_with_a_doc_and_a_default_of_its_type(group, cls):
+  # The declaration is the field's one home: configs/default.py's group and the reference page
+  # are read from it. A ConfigDict field takes the type of its default, so a default of another
+  # type (an int for a float, None) would make the field refuse or misread command-line values.
+  hints = typing.get_type_hints(cls)
+  for f in dataclasses.fields(cls):
+    assert field_doc(f).strip(), f"{group}.{f.name} has no doc: declare it with param(default, doc)"
+    assert type(f.default) is hints[f.name], f"{group}.{f.name}: default {f.default!r}"
 
 
-def test_default_config_every_field_has_comment_and_typed_default():
-  lines = (REPO / "configs" / "default.py").read_text().splitlines()
-  assignments = 0
-  for i, line in enumerate(lines):
-    if re.match(r"^\s+(model|data|optim|train|mesh)\.\w+ = ", line):
-      assignments += 1
-      assert lines[i - 1].strip().startswith("#"), f"no comment above: {line.strip()}"
-      assert not line.rstrip().endswith("= None"), f"None default: {line.strip()}"
-  assert assignments > 60
+def test_configs_default_builds_the_dataclasses_defaults():
+  # configs/default.py's run is the dataclasses built with no arguments (the encoding's
+  # run-dependent defaults resolved), and the vocabulary size is no field of a config file.
+  config = default.get_config()
+  assert "vocab_size" not in config.model and "posenc" not in config.model
+  run = config_lib.run_config_from_dict(config)
+  assert run.model == dataclasses.replace(ModelConfig(), posenc=run.model.posenc)
+  for group in ("data", "optim", "train", "mesh"):
+    assert getattr(run, group) == GROUP_CLASSES[group](), group
+
+
+def test_config_reference_shows_each_fields_declared_doc():
+  from configs import reference
+
+  rows = {
+    line.split(" | ")[0].strip("| `"): line
+    for line in reference.markdown().splitlines()
+    if line.startswith("| `")
+  }
+  for group in GROUP_CLASSES:
+    for f in config_lib.group_fields(group):
+      row = rows[f"{group}.{f.name}"]
+      assert row.endswith(f" | {reference._cell(field_doc(f))} |"), row
 
 
 @pytest.mark.parametrize(

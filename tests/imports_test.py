@@ -18,12 +18,22 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "roformer"
 # evaluation's scorer, nothing else of those packages.
 ALLOWED = {
   "errors": set(),
-  "posenc": {"errors"},
-  "data": {"errors"},
-  "infra": {"errors"},
-  "nn": {"posenc", "errors"},
+  "fields": set(),
+  "posenc": {"errors", "fields"},
+  "data": {"errors", "fields"},
+  "infra": {"errors", "fields"},
+  "nn": {"posenc", "errors", "fields"},
   "hf": {"nn", "posenc", "errors"},
-  "config": {"nn", "data", "posenc", "infra.sharding", "infra.workdir", "hf.decoders", "errors"},
+  "config": {
+    "nn",
+    "data",
+    "posenc",
+    "infra.sharding",
+    "infra.workdir",
+    "hf.decoders",
+    "errors",
+    "fields",
+  },  # fmt: skip
   "runs": {"config", "infra", "nn", "data", "posenc", "hf", "errors"},
   "generate": {"runs", "config", "nn", "data", "posenc", "errors"},
   "evals": {"runs", "config", "infra", "nn", "data", "posenc", "errors"},

@@ -17,23 +17,30 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from roformer.errors import ConfigError
+from roformer.fields import param
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-  data: int = -1  # -1 = the remaining devices
-  fsdp: int = 1
-  tensor: int = 1
-  # ((logical axis, mesh axis | tuple of mesh axes | None), ...)
-  rules: tuple = (
-    ("batch", ("data", "fsdp")),
-    ("embed", "fsdp"),
-    ("mlp", "tensor"),
-    ("heads", "tensor"),
-    ("kv", None),
-    ("vocab", "tensor"),
+  data: int = param(-1, "Data-parallel axis size (-1 = all remaining devices).")
+  fsdp: int = param(
+    1, "Fully-sharded data-parallel axis size: batch and parameters are split over it."
+  )
+  tensor: int = param(1, "Tensor-parallel axis size: heads, MLP and vocabulary are split over it.")
+  rules: tuple = param(
+    (
+      ("batch", ("data", "fsdp")),
+      ("embed", "fsdp"),
+      ("mlp", "tensor"),
+      ("heads", "tensor"),
+      ("kv", None),
+      ("vocab", "tensor"),
+    ),
+    "Logical axis -> mesh axes rules (first match wins), each (logical axis, mesh axis | tuple "
+    "of mesh axes | None). The default shards the batch over data x fsdp and splits parameters "
+    "over fsdp on their model dimension and over tensor on heads / mlp / vocabulary.",
   )
 
 

@@ -9,6 +9,7 @@ import functools
 
 import jax
 
+from roformer.fields import param
 from roformer.nn.attention.kernels import KERNELS
 from roformer.nn.attention.kinds import ATTENTIONS
 from roformer.nn.attention.primitives import WINDOW_KINDS
@@ -34,58 +35,160 @@ REMAT_POLICIES = {
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  kind: str = "decoder"  # encoder (MLM) | decoder (causal LM)
-  # The bytes tokenizer's (data.tokenizer="bytes"); training sets the tokenizer's.
-  vocab_size: int = 261
-  num_layers: int = 6
-  emb_dim: int = 512
-  num_heads: int = 8
-  num_kv_heads: int = 0  # 0 = num_heads (MHA); 1 = MQA; else GQA
-  head_dim: int = 0  # 0 = emb_dim // num_heads
-  mlp_dim: int = 2048
-  dropout_rate: float = 0.0
-  attention_dropout_rate: float = -1.0  # on attention probabilities; -1 = dropout_rate
-  activation: str = "gelu"  # gelu | swiglu
-  norm: str = "layernorm"  # layernorm | rmsnorm
-  norm_eps: float = 1e-6
-  # Encoder only: False = post-LN (BERT/RoFormer); decoders are always pre-LN.
-  pre_norm: bool = False
-  use_bias: bool = True
-  # Biases on the query, key and value projections only (Qwen2); use_bias=True already has them.
-  qkv_bias: bool = False
-  # Pre-LN blocks computing x + attn(norm1(x)) + mlp(norm2(x)) (GPT-J, GPT-NeoX / Pythia): the MLP
-  # reads the block's input, not the attention's output.
-  parallel_residual: bool = False
-  tie_embeddings: bool = True
-  embedding_size: int = 0  # 0 = emb_dim; else embeddings are projected up (HF `embeddings_project`)
-  type_vocab_size: int = 0  # 0 = no token-type embeddings (HF RoFormer has 2)
-  dtype: str = "float32"  # compute dtype: float32 | bfloat16
-  param_dtype: str = "float32"
-  attention_impl: str = "auto"  # dense | chunked | auto | cpu_flash | splash | flash_bias | cudnn
-  # Query/key block of the chunked kernel, and the sequence block of position-wise layers.
-  attention_block: int = 512
-  attention_window: int = 0  # sliding window: keys within this many positions of the query; 0 = all
-  # "sliding" (|qpos - kpos| < window), "blockwise" (xPos's BCA: the query's block of
-  # window / 2 positions and the block before it) or "chunked" (Llama 4: the query's chunk of
-  # window positions only).
-  attention_window_kind: str = "sliding"
-  # Token-embedding scale: "auto" (the encoding's paper), "none" (BERT: N(0, 0.02^2), unscaled) or
-  # "sqrt_d" (Vaswani / fairseq: N(0, 1/E), multiplied by sqrt(E)).
-  embed_scale: str = "auto"
-  scan_layers: bool = False  # one block with stacked [num_layers, ...] parameters, run by lax.scan
-  remat: str = "none"  # none | block | full (see REMAT_POLICIES)
-  attention_window_pattern: str = ""  # per-layer windows "w1,w2,..." repeated over layers
-  global_tokens: int = 0  # encoder: positions < N attend to and are attended by all tokens
-  attention: str = "softmax"  # softmax | linear | mla
-  linear_feature_map: str = "elu"  # linear attention: elu | favor
-  kv_lora_rank: int = 0  # mla: latent width of keys and values
-  q_lora_rank: int = 0  # mla: latent width of queries (0 = no query compression)
-  qk_rope_head_dim: int = 0  # mla: width of the rotary key shared by all heads
-  qk_norm: str = "none"  # none | rmsnorm (per head) | rmsnorm_whole (OLMo 2) | l2 (Llama 4)
-  qk_norm_kinds: str = ""  # kinds of posenc.layer_pattern whose layers normalise; "" = all
-  attention_sinks: bool = False  # a learned sink logit per query head (gpt-oss)
-  forget_gate: bool = False  # FoX: a per-head forget gate decaying the logits (decoders)
-  posenc: PosEncConfig = PosEncConfig()
+  kind: str = param(
+    "decoder", '"decoder" (causal LM, next-token loss) or "encoder" (BERT-style masked LM).'
+  )
+  vocab_size: int = param(
+    261,
+    'Vocabulary size: the bytes tokenizer\'s (data.tokenizer="bytes") until training sets the '
+    "tokenizer's; not a field of the config files.",
+  )
+  num_layers: int = param(6, "Number of Transformer blocks.")
+  emb_dim: int = param(512, "Width of the residual stream (D).")
+  num_heads: int = param(8, "Number of query heads (H).")
+  num_kv_heads: int = param(
+    0,
+    "Number of key/value heads (G): 0 = num_heads (MHA), 1 = MQA, otherwise GQA (divides "
+    "num_heads).",
+  )
+  head_dim: int = param(0, "Per-head dimension (K): 0 = emb_dim // num_heads.")
+  mlp_dim: int = param(2048, "Hidden width of the MLP (F).")
+  dropout_rate: float = param(
+    0.0, "Dropout on attention probabilities and residual branches during training (0 = off)."
+  )
+  attention_dropout_rate: float = param(
+    -1.0,
+    "Dropout on attention probabilities alone: -1 = model.dropout_rate. The fused kernels "
+    "(attention_impl splash, flash_bias, cudnn) have none: 0 runs them with residual dropout "
+    "kept.",
+  )
+  activation: str = param("gelu", 'MLP activation: "gelu" or "swiglu".')
+  norm: str = param("layernorm", 'Normalisation layer: "layernorm" or "rmsnorm".')
+  norm_eps: float = param(1e-6, "Epsilon of the normalisation layers.")
+  pre_norm: bool = param(
+    False,
+    "Encoder only: True = pre-LN blocks, False = post-LN (BERT / RoFormer). Decoders are always "
+    "pre-LN.",
+  )
+  use_bias: bool = param(True, "Whether dense layers have biases.")
+  qkv_bias: bool = param(
+    False,
+    "Biases on the query, key and value projections only, with use_bias=False (Qwen2's layout; "
+    "use_bias=True already has them).",
+  )
+  parallel_residual: bool = param(
+    False,
+    "Pre-LN blocks computing x + attn(norm1(x)) + mlp(norm2(x)): attention and MLP in parallel, "
+    "both reading the block's input, not the attention's output (GPT-J, GPT-NeoX / Pythia). "
+    "Encoders need pre_norm=True.",
+  )
+  tie_embeddings: bool = param(True, "Share the input embedding with the output projection.")
+  embedding_size: int = param(
+    0,
+    "Width of the token embeddings: 0 = emb_dim; otherwise they are projected up to emb_dim "
+    "(Hugging Face RoFormer's embeddings_project).",
+  )
+  type_vocab_size: int = param(
+    0, "Number of token types (segment A/B embeddings): 0 = none (Hugging Face RoFormer has 2)."
+  )
+  dtype: str = param(
+    "float32",
+    'Compute dtype: "float32" or "bfloat16" (softmax, norms and RoPE angles stay float32).',
+  )
+  param_dtype: str = param("float32", "Parameter (and optimizer state) dtype.")
+  attention_impl: str = param(
+    "auto",
+    'Attention kernel: "dense" (materialises scores), "chunked" (blockwise), "auto" (the '
+    'fastest kernel the call fits on its platform, else dense or chunked), "cpu_flash", '
+    '"splash", "flash_bias" or "cudnn" (roformer/nn/attention/kernels/).',
+  )
+  attention_block: int = param(
+    512,
+    "Query/key block of the chunked kernel, and the sequence block of position-wise layers and "
+    "of blockwise evaluation.",
+  )
+  attention_window: int = param(
+    0, "Sliding-window attention: keys within this many positions of the query (0 = all keys)."
+  )
+  attention_window_kind: str = param(
+    "sliding",
+    'How attention_window limits keys: "sliding" (within attention_window positions of the '
+    'query: |qpos - kpos| < window), "blockwise" (xPos\'s blockwise causal attention: the '
+    'query\'s block of attention_window / 2 positions and the block before it) or "chunked" '
+    "(Llama 4's chunked local attention: the query's own chunk of attention_window positions).",
+  )
+  embed_scale: str = param(
+    "auto",
+    'Token embeddings: "auto" = as the encoding\'s paper ("none" for learned and rope, "sqrt_d" '
+    'for the others; see docs/fidelity.md), "none" = BERT\'s N(0, 0.02^2) unscaled (a learned '
+    'position table likewise), "sqrt_d" = N(0, 1/d) multiplied by sqrt(d) (Vaswani et al., '
+    "fairseq; a learned position table N(0, 1/d) unscaled). Comparisons set one value for every "
+    "encoding.",
+  )
+  scan_layers: bool = param(
+    False,
+    "Stack the blocks' parameters ([num_layers, ...]) and run them with lax.scan: one block to "
+    "compile instead of num_layers (deep models compile faster). Checkpoints of the two layouts "
+    "differ, and Hugging Face imports need False.",
+  )
+  remat: str = param(
+    "none",
+    'Rematerialisation of each block in the backward pass: "none" (store every '
+    'activation), "block" (store only matmul outputs; recompute scores, softmax, norms, '
+    'activations) or "full" (store only the block\'s input).',
+  )
+  attention_window_pattern: str = param(
+    "",
+    'Per-layer windows "w1,w2,...", repeated over the layers (0 = global; "" = attention_window '
+    'everywhere), e.g. "4096,0" alternates local and global layers as Gemma 2.',
+  )
+  global_tokens: int = param(
+    0,
+    "Encoders with a window: tokens at positions < N attend to and are attended by all "
+    "(Longformer).",
+  )
+  attention: str = param(
+    "softmax",
+    'Attention kind: "softmax", "linear" (RoFormer eq. 19, RoPE in the numerator) or "mla" '
+    "(DeepSeek-V2 multi-head latent attention with a decoupled RoPE key).",
+  )
+  linear_feature_map: str = param(
+    "elu",
+    'linear: feature map "elu" (elu + 1) or "favor" (Performer\'s positive random features).',
+  )
+  kv_lora_rank: int = param(
+    0, "mla: width of the joint key/value latent (the decoding cache holds it per token)."
+  )
+  q_lora_rank: int = param(0, "mla: width of the query latent (0 = queries projected directly).")
+  qk_rope_head_dim: int = param(
+    0, "mla: width of the rotary key shared by all heads (and of each query's rotary part)."
+  )
+  qk_norm: str = param(
+    "none",
+    'QK-norm: "none"; "rmsnorm" (per head over the head dim, a learned scale, before RoPE, as '
+    'Qwen3 and Gemma 3); "rmsnorm_whole" (over the whole query and key projections before the '
+    'heads are split, a learned scale, before RoPE, as OLMo 2); "l2" (per head, no scale, after '
+    "RoPE, as Llama 4). Softmax attention only.",
+  )
+  qk_norm_kinds: str = param(
+    "",
+    'Kinds of posenc.layer_pattern whose layers apply qk_norm ("" = every layer; Llama 4: "rope").',
+  )
+  attention_sinks: bool = param(
+    False,
+    "A learned sink logit per query head that joins the softmax denominator as a key with no "
+    "value (gpt-oss), so a head can attend to nothing. Softmax attention only; every kernel and "
+    "the cache.",
+  )
+  forget_gate: bool = param(
+    False,
+    "FoX (Forgetting Transformer): a forget gate per head from the layer input whose cumulative "
+    "log-sigmoid sums bias the logits (c_i - c_j). Decoders, softmax attention; the paper runs "
+    'it with posenc.kind="nope". Every kernel and the cache.',
+  )
+  posenc: PosEncConfig = param(
+    PosEncConfig(), "The positional encoding: the posenc group of the config files."
+  )
 
   def __post_init__(self):
     # Validated once, when built: the library trusts a ModelConfig that exists.

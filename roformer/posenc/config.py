@@ -3,20 +3,20 @@
 import dataclasses
 from typing import Any
 
+from roformer import fields as config_fields
+from roformer.fields import field_doc
+
 
 def param(default: Any, doc: str, *, reshapes: bool = False) -> Any:
-  """A config field of an encoding (or of the posenc group): its default and one-line doc.
+  """A config field of an encoding (or of the posenc group): its default and one-line doc
+  (`roformer.fields.param`, the declaration every config group uses).
 
   `reshapes`: changing it changes the trained parameters' shapes or structure (a table's size,
   an MLP's width, one module per layer or one shared), so a checkpoint of the other value does
   not load. The posenc config group, `configs/default.py`'s defaults, `python -m roformer.posenc`
   and the resume rule are all read from these declarations.
   """
-  return dataclasses.field(default=default, metadata={"doc": doc, "reshapes": reshapes})
-
-
-def field_doc(f: dataclasses.Field) -> str:
-  return f.metadata.get("doc", "")
+  return config_fields.param(default, doc, reshapes=reshapes)
 
 
 # Fields several encodings declare (a shared name must be one field: `declare_fields`).
