@@ -353,7 +353,7 @@ def restore_model_state(workdir: epath.Path, step: int | None, abstract_model: A
       return state, candidate
     if step is not None:
       raise CheckpointNotFoundError(
-        f"the checkpoint of step {step} in {root} is unreadable ({_why(unreadable)}); steps "
+        f"the checkpoint of step {step} in {root} is unreadable ({unreadable[0][1]}); steps "
         f"there: {listed}"
       )
     raise CheckpointNotFoundError(f"no checkpoint in {root} reads back ({_why(unreadable)})")

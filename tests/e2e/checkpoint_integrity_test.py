@@ -13,6 +13,7 @@ import pytest
 
 from roformer import config as config_lib
 from roformer import runs, testing
+from roformer.errors import CheckpointNotFoundError
 from roformer.evals import ppl_vs_length
 from roformer.evals import spec as spec_lib
 from roformer.generate import generate_text
@@ -87,6 +88,15 @@ def test_a_reader_skips_a_damaged_checkpoint_in_one_line(trained, tmp_path, capl
   (line,) = _warnings(caplog)
   assert "\n" not in line and damaged in line and "using the checkpoint of step 2" in line
   assert testing.checkpoint_steps(workdir) == [2, 4]  # a reader moves nothing
+
+
+def test_a_reader_asked_for_a_damaged_step_refuses_it_in_one_line(trained, tmp_path):
+  workdir = _copy(trained, tmp_path)
+  damaged = _damage(workdir, "array", "zeros")
+  with pytest.raises(CheckpointNotFoundError) as refused:
+    runs.restore_model(workdir, step=4)
+  message = str(refused.value)
+  assert "\n" not in message and "step 4" in message and damaged in message, message
 
 
 def test_train_sets_a_damaged_checkpoint_aside_and_reproduces_the_losses(trained, tmp_path, caplog):
