@@ -90,6 +90,14 @@ def test_a_reader_skips_a_damaged_checkpoint_in_one_line(trained, tmp_path, capl
   assert testing.checkpoint_steps(workdir) == [2, 4]  # a reader moves nothing
 
 
+def test_a_checkpoint_saved_without_a_manifest_loads_unchecked(trained, tmp_path, caplog):
+  workdir = _copy(trained, tmp_path)
+  (workdir / "checkpoints" / "4" / manifest.MANIFEST_FILE).unlink()  # as older versions saved it
+  with caplog.at_level(logging.WARNING):
+    _, step = runs.restore_model(workdir)
+  assert step == 4 and not _warnings(caplog)
+
+
 def test_a_reader_asked_for_a_damaged_step_refuses_it_in_one_line(trained, tmp_path):
   workdir = _copy(trained, tmp_path)
   damaged = _damage(workdir, "array", "zeros")
