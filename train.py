@@ -69,6 +69,26 @@ def _without_traceback(message: str) -> str:
   return f"{head} {text if text and kind.replace('.', '_').isidentifier() else last}"
 
 
+# A config override of the wrong type, as absl words it ("flag --config.F=V: <its text>"), and
+# the type the field takes.
+_MISTYPED = {
+  "invalid literal for int()": "an integer (e.g. 1000)",
+  "could not convert string to float": "a number (e.g. 3e-4)",
+  "Non-boolean argument to boolean flag": "a bool (true or false)",
+}
+
+
+def _mistyped_override(message: str) -> str | None:
+  """One line for an override of the wrong type (`1e3` for an integer, `yes` for a bool),
+  naming the field and its type, instead of Python's own wording; None for other errors."""
+  kind = next((k for t, k in _MISTYPED.items() if t in message), None)
+  if kind is None or not message.startswith("flag --config."):
+    return None
+  flag = message.removeprefix("flag ").split(": ", 1)[0]  # --config.GROUP.FIELD=VALUE
+  name, _, value = flag.partition("=")
+  return f"{flag}: {name.removeprefix('--config.')} takes {kind}, got {value!r}"
+
+
 def _parse_flags(argv):
   """absl's flag parsing, with one clear line (no traceback) for a misspelt or mistyped field."""
   from roformer.infra import cpu_flags
@@ -79,7 +99,10 @@ def _parse_flags(argv):
   try:
     return FLAGS(argv)
   except flags.Error as e:
-    _error(_without_traceback(str(e)))
+    _error(_mistyped_override(str(e)) or _without_traceback(str(e)))
+  except SyntaxError as e:  # raised while ml_collections imports the config file
+    where = f"line {e.lineno}" + (f", column {e.offset}" if e.offset else "")
+    _error(f"--config={e.filename}: {e.msg} ({where}): the config file is not valid Python")
   except (AttributeError, KeyError, TypeError, ValueError) as e:  # raised by ml_collections
     text = " ".join(str(e).replace("\\n", " ").replace("\\'", "'").split()).strip("'\"")
     overrides = [a.split("=")[0][2:] for a in argv[1:] if a.startswith("--config.")]

@@ -246,6 +246,31 @@ def flag_args(overrides: dict) -> list[str]:
   return [f"--config.{name}={value}" for name, value in overrides.items()]
 
 
+# The names of the flags that the entry points loaded by `load_script` defined.
+_SCRIPT_FLAGS: set[str] = set()
+
+
+def load_script(script: str):
+  """The repository's entry point `script` ("train.py", "eval.py", "generate.py") as a fresh
+  module of this process, for in-process tests of its flag checks and `main`.
+
+  Its flags go on absl's global FlagValues. The scripts define flags of the same names
+  (--workdir, --config), which absl refuses from two modules (and from two loads of one file):
+  the flags of the scripts loaded before are removed first.
+  """
+  from absl import flags
+
+  # A config flag's parse defines one flag per override (--config.model.num_layers): those too.
+  for name in [n for n in flags.FLAGS if n.split(".")[0] in _SCRIPT_FLAGS]:
+    delattr(flags.FLAGS, name)
+  before = set(flags.FLAGS)
+  module_spec = importlib.util.spec_from_file_location(f"{Path(script).stem}_script", REPO / script)
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  _SCRIPT_FLAGS.update(set(flags.FLAGS) - before)
+  return module
+
+
 def run_script(script: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
   """Runs the repository's `script` (e.g. "eval.py") on CPU with `args`; output captured."""
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))

@@ -1,8 +1,6 @@
 """Tests of eval.py and its driver (evals.ppl_vs_length, evals.plots): workdirs, JSON schema,
 scaling, plots."""
 
-import functools
-import importlib.util
 import json
 import math
 import os
@@ -366,19 +364,10 @@ def test_a_bad_flag_combination_is_one_line_on_stderr_and_no_traceback(rope_run)
   assert errors == ["eval.py: error: --rope_factor=4 needs --rope_scaling=KIND"], proc.stderr
 
 
-@functools.cache
-def _eval_cli():
-  """eval.py as a module of this process (its flags on absl's global FlagValues)."""
-  module_spec = importlib.util.spec_from_file_location("eval_cli", REPO / "eval.py")
-  module = importlib.util.module_from_spec(module_spec)
-  module_spec.loader.exec_module(module)
-  return module
-
-
 def _main_error(*args) -> str:
   """The message eval.py's main exits with for `args` (flag errors: absl's own message), parsed
   and run in this process."""
-  cli = _eval_cli()
+  cli = testing.load_script("eval.py")
   cli.FLAGS.unparse_flags()
   try:
     cli.FLAGS(["eval.py", *args])

@@ -15,6 +15,7 @@ import pytest
 
 from roformer import config as config_lib
 from roformer import testing
+from roformer.infra import compile_cache, cpu_flags
 
 # A few steps, one checkpoint and one evaluation at the end.
 SHORT = {
@@ -99,29 +100,76 @@ _BAD_INPUTS = {
   "mistyped_config_path": ({}, {"config": "configs/defualt.py"}, "no such file; configs/ has"),
   "misspelt_group": ({"modle.num_layers": 3}, {}, "modle is not a config group"),
   "unwritable_workdir": ({}, {"workdir": "FILE/run"}, "cannot create it"),
+  "config_syntax_error": ({}, {"config": "BROKEN"}, "invalid syntax (line 1, column 16)"),
+  "float_for_an_integer": (
+    {"train.num_train_steps": "1e3"},
+    {},
+    "train.num_train_steps takes an integer",
+  ),
+  "word_for_a_bool": ({"data.pack": "yes"}, {}, "data.pack takes a bool (true or false)"),
+  "infinite_learning_rate": (
+    {"optim.learning_rate": "inf"},
+    {},
+    "optim.learning_rate must be a finite number, got inf",
+  ),
   "field_of_another_source": ({"data.source": "pystdlib"}, {}, "data.source='pystdlib'"),
   "latin1_txt": ("latin1.txt", {}, "bad.txt is not utf-8 text (byte 0xe9 at offset 3)"),
   "latin1_jsonl": ("latin1.jsonl", {}, "bad.jsonl is not utf-8 text (byte 0xe9 at offset 13)"),
 }
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("case", sorted(_BAD_INPUTS))
-def test_bad_input_exits_with_one_line_and_writes_nothing(tmp_path, case):
-  overrides, args, expected = _BAD_INPUTS[case]
+def _bad_input_args(tmp_path, case) -> list[str]:
+  """train.py's arguments for `case` of _BAD_INPUTS (its files made in tmp_path)."""
+  overrides, args, _ = _BAD_INPUTS[case]
   if isinstance(overrides, str):
     overrides = _undecodable(tmp_path, "." + overrides.split(".")[1])
   (tmp_path / "FILE").write_text("")
+  (tmp_path / "broken.py").write_text("def get_config(:\n  pass\n")
   workdir = args.get("workdir", str(tmp_path / "run")).replace("FILE", str(tmp_path / "FILE"))
-  config = args.get("config", "configs/default.py")
-  result = _run(_train_args(workdir, overrides, config=config), cwd=testing.REPO)
-  line = _error_line(result)
-  assert expected in line, line
+  config = args.get("config", "configs/default.py").replace("BROKEN", str(tmp_path / "broken.py"))
+  return _train_args(workdir, overrides, config=config)[2:]
+
+
+def _main_error(args, capsys, monkeypatch) -> str:
+  """The lines train.py prints on stderr when it exits for `args`, parsed and run in this
+  process (as `app.run` would: its flag parser, then main)."""
+  cli = testing.load_script("train.py")
+  # What main sets for a process of its own (CPU flags, the compilation cache) stays unset here.
+  monkeypatch.setattr(cpu_flags, "set_default_cpu_flags", lambda: False)
+  monkeypatch.setattr(compile_cache, "enable_from_flags", lambda *args: None)
+  monkeypatch.chdir(testing.REPO)
+  monkeypatch.setattr(sys, "argv", ["train.py", *args])  # where the config flag finds overrides
+  cli.FLAGS.unparse_flags()
+  try:
+    with pytest.raises(SystemExit) as exit_info:
+      cli.main(cli._parse_flags(["train.py", *args]))
+  finally:
+    cli.FLAGS.unparse_flags()
+  assert exit_info.value.code == 1
+  return capsys.readouterr().err
+
+
+@pytest.mark.parametrize("case", sorted(_BAD_INPUTS))
+def test_bad_input_exits_with_one_line_and_writes_nothing(tmp_path, case, capsys, monkeypatch):
+  stderr = _main_error(_bad_input_args(tmp_path, case), capsys, monkeypatch)
+  lines = stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith("train.py: error: "), stderr
+  expected = _BAD_INPUTS[case][2]
+  assert expected in lines[0], lines[0]
   if case == "field_of_another_source":
-    assert "data.files" in line
+    assert "data.files" in lines[0]
   if case.startswith("latin1"):
-    assert "data.text_encoding" in line
+    assert "data.text_encoding" in lines[0]
   assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_bad_input_is_one_line_on_stderr_and_no_traceback(tmp_path):
+  """The exit the in-process cases above raise, as a user's shell sees it."""
+  case = "misspelt_group"
+  result = _run([sys.executable, str(testing.REPO / "train.py"), *_bad_input_args(tmp_path, case)],
+                cwd=testing.REPO)  # fmt: skip
+  assert result.returncode == 1
+  assert _BAD_INPUTS[case][2] in _error_line(result)
   assert "Compiled the train step" not in result.stderr
 
 
