@@ -285,7 +285,8 @@ def run_script(script: str, *args: str, timeout: int = 300) -> subprocess.Comple
 
 def subprocess_env(devices: int = 1, **extra: str) -> dict:
   """The environment of a test's subprocess: `devices` CPU devices, the parent's other XLA flags
-  (a user's XLA_FLAGS), one compilation cache per test session."""
+  (a user's XLA_FLAGS), the parent's JAX compilation cache (scripts/test.sh sets one for the
+  whole suite), else one per test session."""
   env = dict(os.environ)
   flags = [
     f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f
@@ -293,8 +294,10 @@ def subprocess_env(devices: int = 1, **extra: str) -> dict:
   env.update(
     JAX_PLATFORMS="cpu",
     XLA_FLAGS=" ".join([*flags, f"--xla_force_host_platform_device_count={devices}"]),
-    JAX_COMPILATION_CACHE_DIR=_compilation_cache_dir(),
-    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.5",
+    JAX_COMPILATION_CACHE_DIR=env.get("JAX_COMPILATION_CACHE_DIR") or _compilation_cache_dir(),
+    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=env.get(
+      "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5"
+    ),
     PYTHONPATH=str(REPO),
   )
   env.update(extra)

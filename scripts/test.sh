@@ -16,6 +16,12 @@ export XLA_FLAGS="${XLA_FLAGS:---xla_backend_optimization_level=0}"
 logs=$(mktemp -d)
 trap 'rm -rf "$logs"' EXIT
 export ROFORMER_CACHE="$logs/cache"
+# Every process of the run (pytest's and the scripts the tests start) keeps the programs it
+# compiles in one JAX compilation cache there: the suite compiles many identical programs (a
+# tiny model's train step in several tests, a grid's seeds, a run retrained to check it), and
+# each is compiled once.
+export JAX_COMPILATION_CACHE_DIR="$ROFORMER_CACHE/xla"
+export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
 
 # One pytest process per group of tests: a single process for the whole suite runs out of memory
 # maps (docs/testing.md). XLA compiles on one thread, so two groups run at a time, the longest
