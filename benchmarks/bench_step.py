@@ -21,9 +21,30 @@ SMOKE_MODEL = {
 }
 
 
-def median_seconds(fn, repeats: int) -> float:
-  """Median wall seconds of `repeats` calls of fn, after one untimed call (compile, warm-up)."""
-  fn()
+# The 12-layer, 768-wide Llama-style decoder of the GPU figures (docs/gpu.md), on configs/lm.py:
+# SwiGLU 2048, RMSNorm, no biases, untied embeddings, bf16 compute with float32 parameters.
+LLAMA_12x768 = {
+  "model.num_layers": 12,
+  "model.emb_dim": 768,
+  "model.num_heads": 12,
+  "model.mlp_dim": 2048,
+  "model.activation": "swiglu",
+  "model.norm": "rmsnorm",
+  "model.use_bias": False,
+  "model.tie_embeddings": False,
+  "model.dropout_rate": 0.0,
+  "model.dtype": "bfloat16",
+  "posenc.kind": "rope",
+  "posenc.rope_layout": "half",
+  "data.tokenizer": "bytes",
+}
+
+
+def median_seconds(fn, repeats: int, *, warmup: bool = True) -> float:
+  """Median wall seconds of `repeats` calls of fn, after one untimed call (compile, warm-up)
+  unless `warmup` is False."""
+  if warmup:
+    fn()
   times = []
   for _ in range(repeats):
     start = time.perf_counter()

@@ -1,19 +1,19 @@
 """What a checkpoint's manifest costs (roformer/infra/manifest.py): the SHA-256 digest of every
 file, written when a step is saved and checked before every restore.
 
-The 12 x 768 decoder of benchmarks/gpu_check.py (float32 parameters and AdamW moments, random as
-after training) is saved
-into --dir as train.py saves it; the table gives the checkpoint's size and the seconds (median of
---repeats) of the save with its manifest, the manifest written again alone, its check, and a
-restore of the model and optimizer, each with the rate in GB/s of checkpoint bytes.
+The 12 x 768 decoder of the GPU figures (bench_step.LLAMA_12x768; float32 parameters and AdamW
+moments, random as after training) is saved into --dir as train.py saves it; the table gives
+the checkpoint's size and the seconds (median of --repeats) of the save with its manifest, the
+manifest written again alone, its check, and a restore of the model and optimizer, each with the
+rate in GB/s of checkpoint bytes.
 
   JAX_PLATFORMS=cpu python -m benchmarks.checkpoint_digest [--dir=/tmp/digest] [--repeats=3]
   JAX_PLATFORMS=cpu python -m benchmarks.checkpoint_digest --smoke   # a 1 x 32 model
 """
 
+import functools
 import shutil
 import tempfile
-import time
 
 from absl import app, flags
 
@@ -21,35 +21,12 @@ flags.DEFINE_string("dir", "", "Workdir for the checkpoint (default: a temporary
 flags.DEFINE_integer("repeats", 3, "Timed repeats of each row (median).")
 flags.DEFINE_bool("smoke", False, "A 1-layer, 32-wide model instead of 12 x 768.")
 FLAGS = flags.FLAGS
-# The shapes of benchmarks/gpu_check.py's 12 x 768 Llama-style decoder (its LLAMA_12x768; that
-# module defines flags of its own, so it is not imported here).
-MODEL = {
-  "model.num_layers": 12,
-  "model.emb_dim": 768,
-  "model.num_heads": 12,
-  "model.mlp_dim": 2048,
-  "model.activation": "swiglu",
-  "model.norm": "rmsnorm",
-  "model.use_bias": False,
-  "model.tie_embeddings": False,
-  "posenc.kind": "rope",
-  "data.tokenizer": "bytes",
-}
 SMOKE_MODEL = {
   "model.num_layers": 1,
   "model.emb_dim": 32,
   "model.num_heads": 2,
   "model.mlp_dim": 64,
 }
-
-
-def _median_seconds(fn, repeats: int) -> float:
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - start)
-  return sorted(times)[len(times) // 2]
 
 
 def _train_state(smoke: bool):
@@ -63,7 +40,7 @@ def _train_state(smoke: bool):
   from roformer.train import optimizer, state
 
   config = lm.get_config()
-  overrides = {**MODEL, **(SMOKE_MODEL if smoke else {})}
+  overrides = {**bench_step.LLAMA_12x768, **(SMOKE_MODEL if smoke else {})}
   bench_step.apply_overrides(config, overrides)
   run_config = bench_step.run_config(config)
   mesh, rules = sharding.make_mesh(run_config.mesh), sharding.axis_rules(run_config.mesh)
@@ -89,6 +66,7 @@ def measure(workdir, model_state, opt_state, model_abs, opt_abs, *, repeats: int
   """
   from etils import epath
 
+  from benchmarks import bench_step
   from roformer.infra import checkpoint, manifest
 
   manager = checkpoint.make_manager(workdir, keep=1)
@@ -98,15 +76,16 @@ def measure(workdir, model_state, opt_state, model_abs, opt_abs, *, repeats: int
     checkpoint.save(manager, next(steps), model_state, opt_state, {"step": 0})
     checkpoint.wait_until_saved(manager)
 
-  rows = [("save, manifest included", _median_seconds(save, repeats))]
+  timed = functools.partial(bench_step.median_seconds, warmup=False)  # each call is new work
+  rows = [("save, manifest included", timed(save, repeats))]
   step = manager.latest_step()
   step_dir = checkpoint.checkpoint_dir(workdir) / str(step)
   files = [folder / name for folder, _, names in epath.Path(step_dir).walk() for name in names]
   size = sum(f.stat().length for f in files)
-  rows.append(("manifest written", _median_seconds(lambda: manifest.write(step_dir), 1)))
-  rows.append(("manifest checked", _median_seconds(lambda: manifest.verify(step_dir), 1)))
+  rows.append(("manifest written", timed(lambda: manifest.write(step_dir), 1)))
+  rows.append(("manifest checked", timed(lambda: manifest.verify(step_dir), 1)))
   restore = lambda: checkpoint.restore(manager, step, model_abs, opt_abs)  # noqa: E731
-  rows.append(("restore (no check)", _median_seconds(restore, repeats)))
+  rows.append(("restore (no check)", timed(restore, repeats)))
   checkpoint.close(manager)
   return size, len(files), rows
 

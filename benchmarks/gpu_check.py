@@ -48,22 +48,7 @@ flags.DEFINE_integer("budget", 470, "Seconds for the whole run; parts past it ar
 flags.DEFINE_string("serve", "", "Internal: run one part and print its rows as JSON.")
 FLAGS = flags.FLAGS
 
-# The 12 x 768 Llama-style decoder, on configs/lm.py.
-LLAMA_12x768 = {
-  "model.num_layers": 12,
-  "model.emb_dim": 768,
-  "model.num_heads": 12,
-  "model.mlp_dim": 2048,
-  "model.activation": "swiglu",
-  "model.norm": "rmsnorm",
-  "model.use_bias": False,
-  "model.tie_embeddings": False,
-  "model.dropout_rate": 0.0,
-  "model.dtype": "bfloat16",
-  "posenc.kind": "rope",
-  "posenc.rope_layout": "half",
-  "data.tokenizer": "bytes",
-}
+# The model is bench_step.LLAMA_12x768 (12 x 768, Llama-style, on configs/lm.py).
 FULL = {"batch": 16, "seq_len": 2048, "long": 32768, "steps": 10, "cudnn_len": 1024, "heads": 8}
 SMOKE = {"batch": 2, "seq_len": 32, "long": 128, "steps": 2, "cudnn_len": 32, "heads": 2}
 SMOKE_MODEL = {"model.num_layers": 1, "model.emb_dim": 32, "model.num_heads": 2,
@@ -79,7 +64,7 @@ def _run_config(sizes: dict, *, seq_len: int, batch: int):
   from configs import lm
 
   config = lm.get_config()
-  overrides = {**LLAMA_12x768, **(SMOKE_MODEL if FLAGS.smoke else {})}
+  overrides = {**bench_step.LLAMA_12x768, **(SMOKE_MODEL if FLAGS.smoke else {})}
   overrides |= {"data.seq_len": seq_len, "train.global_batch_size": batch}
   for name, value in overrides.items():
     bench_step.apply_overrides(config, {name: value})
@@ -187,7 +172,9 @@ def _seconds_to_first_step(cmd: list[str], timeout: float) -> float:
 
 
 def part_first_step(sizes):
-  overrides = {**LLAMA_12x768, **(SMOKE_MODEL if FLAGS.smoke else {})}
+  from benchmarks import bench_step
+
+  overrides = {**bench_step.LLAMA_12x768, **(SMOKE_MODEL if FLAGS.smoke else {})}
   overrides |= {
     "data.seq_len": sizes["seq_len"],
     "train.global_batch_size": sizes["batch"],
