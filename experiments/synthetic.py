@@ -120,7 +120,7 @@ class Scale:
   encodings: tuple
   randomize: tuple  # (False,), (True,) or both
   examples: int  # evaluation examples per length
-  only_pairs: tuple = ()  # if set: the (encoding, randomized) pairs run (smoke grids)
+  only_runs: tuple = ()  # if set: the (task, encoding, randomized) runs of a smoke grid
 
 
 SCALES = {
@@ -132,7 +132,16 @@ SCALES = {
     encodings=("rope", "fire", "drope", "rope_logn"),
     randomize=(False, True),
     examples=8,
-    only_pairs=(("rope", False), ("fire", True), ("drope", False), ("rope_logn", False)),
+    # RoPE on every task; on copy the two derived kinds (a recalibration, an evaluation of a
+    # run); on passkey an encoding trained and scored at randomized positions (its heatmap).
+    only_runs=(
+      ("copy", "rope", False),
+      ("copy", "drope", False),
+      ("copy", "rope_logn", False),
+      ("associative_recall", "rope", False),
+      ("passkey", "rope", False),
+      ("passkey", "fire", True),
+    ),  # fmt: skip
   ),
   # The comparison: 3 tasks x (12 encodings + the 10 that read positions randomized + the 8
   # FRONTIER arms) = 90 runs of 2000 steps, and per task the DERIVED arms (two of 200 steps, five
@@ -177,12 +186,12 @@ def grid_runs(scale: Scale) -> list[tuple[str, str, bool]]:
   for task in scale.tasks:
     for encoding in scale.encodings:
       if encoding in DERIVED:  # after the run it starts from (grid order)
-        if not scale.only_pairs or (encoding, False) in scale.only_pairs:
+        if not scale.only_runs or (task, encoding, False) in scale.only_runs:
           runs.append((task, encoding, False))
         continue
       kind = arms.kind(encoding) if encoding in arms.ARMS else encoding
       for randomized in scale.randomize:
-        if scale.only_pairs and (encoding, randomized) not in scale.only_pairs:
+        if scale.only_runs and (task, encoding, randomized) not in scale.only_runs:
           continue
         if randomized and (not posenc.POSENCS[kind].reads_positions or encoding in FRONTIER):
           continue

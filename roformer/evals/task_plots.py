@@ -52,7 +52,7 @@ def plot_task_runs(runs: Sequence[tuple[str, dict]], path, *, title: str = "") -
   """Exact match (solid) and per-token accuracy (dashed) against task length for several runs.
 
   The training range of the first run is shaded; a run's effective length by exact match (its
-  JSON's "effective_length") is a star on its curve and a note in its label.
+  JSON's "effective_length") is a star on the x axis under it and a note in its label.
 
   Args:
     runs: (label, task JSON dict) per run.
@@ -76,8 +76,7 @@ def plot_task_runs(runs: Sequence[tuple[str, dict]], path, *, title: str = "") -
     ax.plot(xs, [r["exact_match"] for r in points], "-o", color=color, label=label)
     ax.plot(xs, [r["token_accuracy"] for r in points], "--", color=color, alpha=0.6)
     if found is not None and found["length"] is not None:
-      at = next(r["exact_match"] for r in points if r["length"] == found["length"])
-      ax.plot([found["length"]], [at], "*", color=color, markersize=15, zorder=5)
+      plots.mark_effective_length(ax, found["length"], color, "-")
   for rule in rules:
     ax.plot([], [], "*", color="0.4", markersize=10, linestyle="none", label=rule)
   _shade_training_range(ax, runs)
