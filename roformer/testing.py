@@ -138,7 +138,8 @@ def decoder_loss_and_grads(attention_impl, posenc="rope", **fields):
     logits = model(tokens, positions)
     return -jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[..., None], -1).mean()
 
-  return nnx.value_and_grad(loss)(model)
+  # One compiled program, as the train step is (op by op, each primitive compiles on its own).
+  return nnx.jit(nnx.value_and_grad(loss))(model)
 
 
 def assert_training_step_equals_dense(attention_impl, tol, posenc="rope", **fields):

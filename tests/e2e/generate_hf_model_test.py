@@ -147,15 +147,23 @@ def test_generate_text_refuses_a_prompt_beyond_the_model_vocabulary(hf_dirs, tmp
     gen.generate_text(None, "x{", hf_model=str(path), max_new_tokens=2)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
-def test_cli_prints_the_greedy_continuation_of_an_imported_decoder(hf_dirs, references, family):
+def test_generate_text_is_the_greedy_continuation_of_an_imported_decoder(
+  hf_dirs, references, family
+):
+  """What generate.py prints: the text of the greedy tokens of full forward passes."""
+  text = gen.generate_text(None, PROMPT, hf_model=str(hf_dirs[family]), max_new_tokens=NEW_TOKENS)
+  assert text == _text(references[family])
+
+
+@pytest.mark.slow
+def test_cli_prints_the_greedy_continuation_of_an_imported_decoder(hf_dirs, references):
   proc = testing.run_script(
-    "generate.py", f"--hf_model={hf_dirs[family]}", f"--prompt={PROMPT}",
+    "generate.py", f"--hf_model={hf_dirs['llama']}", f"--prompt={PROMPT}",
     f"--max_new_tokens={NEW_TOKENS}",
   )  # fmt: skip
   assert proc.returncode == 0, proc.stderr[-3000:]
-  assert proc.stdout == _text(references[family]) + "\n"
+  assert proc.stdout == _text(references["llama"]) + "\n"
 
 
 @pytest.mark.parametrize(
@@ -179,6 +187,24 @@ def test_cli_prints_the_greedy_continuation_of_an_imported_decoder(hf_dirs, refe
 )
 def test_cli_refuses_a_flag_combination_with_one_line_naming_the_flag(hf_dirs, args, error):
   args = [a.replace("=HF", f"={hf_dirs['llama']}") for a in args]
-  proc = testing.run_script("generate.py", "--prompt=x", *args)
+  cli = testing.load_script("generate.py")
+  cli.FLAGS.unparse_flags()
+  try:
+    cli.FLAGS(["generate.py", "--prompt=x", *args])
+    with pytest.raises(SystemExit) as exit_info:
+      cli.main(["generate.py"])
+  finally:
+    cli.FLAGS.unparse_flags()
+  assert exit_info.value.code == f"generate.py: error: {error}"
+
+
+def test_a_refused_flag_combination_is_one_line_on_stderr_and_exit_1(hf_dirs):
+  """The exit the in-process cases above raise, as a user's shell sees it."""
+  proc = testing.run_script(
+    "generate.py", "--prompt=x", f"--hf_model={hf_dirs['llama']}", "--step=3"
+  )
   assert proc.returncode == 1 and "Traceback" not in proc.stderr
-  assert proc.stderr.strip().splitlines()[-1] == f"generate.py: error: {error}"
+  errors = [line for line in proc.stderr.splitlines() if "error" in line]
+  assert errors == [
+    "generate.py: error: --step is not read with --hf_model (one set of weights, no checkpoints)"
+  ], proc.stderr

@@ -2,15 +2,13 @@
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
+from roformer import testing
 from roformer.data import synthetic
 from roformer.evals import task_plots, task_vs_length
-from roformer.testing import REPO
 
 
 def _predictor(examples, wrong=()):
@@ -145,52 +143,44 @@ def test_compare_draws_task_curves_of_several_runs(tmp_path):
 
 # ---- End to end (slow): train.py by config alone, evaluation at 8x the training length ----
 
-TINY = [
-  "--config.model.num_layers=1", "--config.model.emb_dim=16", "--config.model.num_heads=2",
-  "--config.model.mlp_dim=32", "--config.data.source=synthetic", "--config.data.task=copy",
-  "--config.data.task_min_len=2", "--config.data.task_max_len=4", "--config.data.seq_len=8",
-  "--config.train.global_batch_size=4", "--config.train.num_train_steps=3",
-  "--config.train.eval_max_tokens=64", "--config.train.log_every_steps=1",
-  "--config.optim.warmup_steps=1",
-]  # fmt: skip
-
-
-def _run(args, env=None):
-  return subprocess.run(
-    [sys.executable, *args], cwd=REPO, capture_output=True, text=True,
-    env={**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})}, timeout=600,
-  )  # fmt: skip
+TINY = {
+  "model.num_layers": 1, "model.emb_dim": 16, "model.num_heads": 2, "model.mlp_dim": 32,
+  "data.source": "synthetic", "data.task": "copy", "data.task_min_len": 2,
+  "data.task_max_len": 4, "data.seq_len": 8, "train.global_batch_size": 4,
+  "train.num_train_steps": 3, "train.eval_max_tokens": 64, "train.log_every_steps": 1,
+  "optim.warmup_steps": 1,
+}  # fmt: skip
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
   "posenc",
   [
-    ["--config.posenc.kind=kerple"],
-    ["--config.posenc.kind=fire"],
-    ["--config.posenc.kind=sandwich"],
-    ["--config.posenc.kind=cope"],
-    ["--config.posenc.kind=rope", "--config.posenc.rope_truncate=0.5"],
-    [
-      "--config.posenc.kind=learned",
-      "--config.posenc.max_len=64",
-      "--config.posenc.randomize_max=64",
-    ],
+    {"posenc.kind": "kerple"},
+    {"posenc.kind": "fire"},
+    {"posenc.kind": "sandwich"},
+    {"posenc.kind": "cope"},
+    {"posenc.kind": "rope", "posenc.rope_truncate": 0.5},
+    {"posenc.kind": "learned", "posenc.max_len": 64, "posenc.randomize_max": 64},
   ],
   ids=["kerple", "fire", "sandwich", "cope", "prope", "learned+randomized"],
 )
 def test_new_encodings_train_by_config_and_evaluate_at_8x(tmp_path, posenc):
+  """In one process: train.py's and eval.py's flag handling is tested in tests/e2e."""
+  from roformer.train import loop as train_loop
+
   workdir = str(tmp_path / "run")
-  train = _run(["train.py", "--config=configs/default.py", f"--workdir={workdir}", *TINY, *posenc])
-  assert train.returncode == 0, train.stderr[-2000:]
+  config = testing.config_file_with("configs/default.py", {**TINY, **posenc})
+  train_loop.train_and_evaluate(config, workdir)
   lines = [json.loads(x) for x in open(os.path.join(workdir, "metrics.jsonl"))]
   assert [x["step"] for x in lines if "train_loss" in x] == [1, 2, 3]
-  ev = _run(["eval.py", f"--workdir={workdir}", "--task_lengths=2,4,32", "--task_examples=4"])
-  assert ev.returncode == 0, ev.stderr[-2000:]
-  result = json.loads(open(os.path.join(workdir, "eval", "task_vs_length.json")).read())
+  result, _ = task_vs_length.evaluate_tasks(
+    workdir, lengths=[2, 4, 32], num_examples=4, log=lambda line: None
+  )
+  assert json.loads(open(os.path.join(workdir, "eval", "task_vs_length.json")).read()) == result
   assert [r["length"] for r in result["records"]] == [2, 4, 32]  # 32 = 8x the longest
   assert all(0.0 <= r["token_accuracy"] <= 1.0 for r in result["records"])
-  randomized = any("randomize_max" in arg for arg in posenc)
+  randomized = "posenc.randomize_max" in posenc
   kind = "randomized" if randomized else "consecutive"
   assert result["positions"]["kind"] == kind
   assert all(("token_accuracy_draws" in r) == randomized for r in result["records"])
