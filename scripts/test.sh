@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every test, slow ones included: bash scripts/test.sh [extra pytest arguments]
-# (about 30 minutes on 2 CPU cores; `python -m pytest tests/<dir>` runs one directory).
+# (about 25 minutes on 2 CPU cores; `python -m pytest tests/<dir>` runs one directory).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -21,6 +21,7 @@ from roformer.evals.effective_length import EffectiveRule, perplexity_effective_
 from roformer.infra import checkpoint, compile_cache, cpu_flags
 from roformer.nn.model import make_model
 from roformer.testing import REPO
+from roformer.train import loop as train_loop
 
 SEQ_LEN = 32
 JSON_KEYS = {
@@ -274,13 +275,11 @@ def test_eval_cli_reproduces_the_training_eval_loss(tmp_path, model_kind):
     "train.seed": 3,  # the encoder's evaluation mask is drawn from it
     "optim.warmup_steps": 2,
   }
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
-  train = subprocess.run(
-    [sys.executable, str(REPO / "train.py"), "--config=configs/default.py", f"--workdir={workdir}"]
-    + [f"--config.{k}={v}" for k, v in overrides.items()],
-    capture_output=True, text=True, env=env, cwd=REPO, timeout=600,
-  )  # fmt: skip
-  assert train.returncode == 0, train.stderr[-3000:]
+  # Trained in this process (train.py's own flags: train_cli_test.py), scored by eval.py's CLI.
+  overrides = {k: str(v) if isinstance(v, Path) else v for k, v in overrides.items()}
+  train_loop.train_and_evaluate(
+    testing.config_file_with("configs/default.py", overrides), str(workdir)
+  )
   lines = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
   logged = [x for x in lines if "eval_loss" in x and x["step"] == 12][-1]
 
