@@ -79,7 +79,7 @@ def save(manager, step: int, model_state: Any, opt_state: Any, meta: dict) -> No
     StorageFullError (one line) when this or the previous save found the disk full.
   """
   wait_until_saved(manager)
-  try:
+  with _disk_full_in_one_line(manager, step):
     manager.save(
       step,
       args=ocp.args.Composite(
@@ -89,9 +89,6 @@ def save(manager, step: int, model_state: Any, opt_state: Any, meta: dict) -> No
       ),
       force=True,
     )
-  except Exception as e:
-    _raise_if_disk_full(e, manager, step)
-    raise
 
 
 def wait_until_saved(manager) -> None:
@@ -100,11 +97,8 @@ def wait_until_saved(manager) -> None:
   Raises:
     StorageFullError (one line) when the disk was full.
   """
-  try:
+  with _disk_full_in_one_line(manager, getattr(manager, "saving", None)):
     manager.wait_until_finished()
-  except Exception as e:
-    _raise_if_disk_full(e, manager, getattr(manager, "saving", None))
-    raise
 
 
 def close(manager) -> None:
@@ -113,10 +107,18 @@ def close(manager) -> None:
   Raises:
     StorageFullError (one line) when the disk was full.
   """
-  try:
+  with _disk_full_in_one_line(manager, getattr(manager, "saving", None)):
     manager.close()
+
+
+@contextlib.contextmanager
+def _disk_full_in_one_line(manager, step: int | None):
+  """Re-raises an error of the block that a full disk caused as StorageFullError (one line)
+  naming `step`; other errors unchanged."""
+  try:
+    yield
   except Exception as e:
-    _raise_if_disk_full(e, manager, getattr(manager, "saving", None))
+    _raise_if_disk_full(e, manager, step)
     raise
 
 
