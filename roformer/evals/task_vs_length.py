@@ -79,7 +79,8 @@ def score_examples(
   Args:
     predict: from `make_predict`.
     examples: (tokens, is_answer) pairs, all of one length.
-    batch_size: examples per forward pass (the last batch is filled with repeats, then dropped).
+    batch_size: examples per forward pass, at most all of them (the last batch is filled with
+      repeats, then dropped).
     randomize_max: the run's posenc.randomize_max; > 0 scores every example at `draws` draws of
       sorted random positions in [0, randomize_max) of its own length (from `seed`).
     seed, draws: the draws' seed and number.
@@ -120,6 +121,7 @@ def score_examples(
 def _score_rows(predict, rows: dict, count: int, batch_size: int) -> dict:
   """Exact match and per-token accuracy of the first `count` padded rows."""
   exact, correct_tokens, answer_tokens = 0, 0, 0
+  batch_size = min(batch_size, count)  # fewer examples than a batch: no rows of repeats
   for start in range(0, count, batch_size):
     idx = np.arange(start, start + batch_size) % count
     pred = np.asarray(predict(rows["inputs"][idx], rows["positions"][idx]))

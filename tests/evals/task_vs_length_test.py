@@ -43,6 +43,19 @@ def test_one_wrong_answer_token_costs_one_example_and_one_token():
   assert got == {"exact_match": 4 / 5, "token_accuracy": 19 / 20, "examples": 5}
 
 
+def test_fewer_examples_than_a_batch_run_as_one_batch_of_their_own_count():
+  examples = task_vs_length.eval_examples("copy", 4, 5, seed=0)
+  shapes, scored = [], _predictor(examples, wrong=[(2, 5)])
+
+  def predict(inputs_BT, positions_BT):
+    shapes.append(inputs_BT.shape)
+    return scored(inputs_BT, positions_BT)
+
+  got = task_vs_length.score_examples(predict, examples, batch_size=64)
+  assert shapes == [(5, len(examples[0][0]) - 1)]  # not 64 rows, 59 of them repeats
+  assert got == {"exact_match": 4 / 5, "token_accuracy": 19 / 20, "examples": 5}
+
+
 def test_eval_examples_depend_only_on_seed_length_and_depth():
   a = task_vs_length.eval_examples("passkey", 20, 3, seed=1, depth=0.5)
   b = task_vs_length.eval_examples("passkey", 20, 3, seed=1, depth=0.5)
