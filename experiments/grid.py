@@ -292,6 +292,41 @@ class Run:
   eval_of: str = ""
 
 
+# A grid rewrites its tables and plots after each finished run, so that a grid stopped part-way
+# leaves the summaries of the runs it finished; drawing them takes seconds, as long as a smoke
+# grid's whole run, so runs that finish faster than this share one rewrite. On an exception
+# (Ctrl-C, a signal, an error) the pending rewrite is made; after the last run the drivers write
+# their report themselves.
+REPORT_EVERY_SECONDS = 60.0
+
+
+class ThrottledReport:
+  """`report(*args)` after a finished run, at most once per REPORT_EVERY_SECONDS (the first at
+  once); `flush()` makes the one left pending."""
+
+  def __init__(self, report: Callable, every: float = REPORT_EVERY_SECONDS):
+    self.report, self.every, self.last, self.pending = report, every, -float("inf"), None
+
+  def __call__(self, *args) -> None:
+    self.pending = args
+    if time.monotonic() - self.last >= self.every:
+      self.flush()
+
+  def flush(self) -> None:
+    if self.pending is not None:
+      args, self.pending = self.pending, None
+      self.report(*args)
+      self.last = time.monotonic()
+
+  @contextlib.contextmanager
+  def flushed_on_error(self):
+    try:
+      yield self
+    except BaseException:
+      self.flush()
+      raise
+
+
 class Progress:
   """One line per run: which run, elapsed time, and the grid's ETA from the runs done so far."""
 
@@ -326,11 +361,13 @@ def run_grid(
 
   A run is done when OUT/<run>.json holds its settings (`finished_record`; `adopt` records
   today's in a JSON that predates them). `report(records)` rewrites the grid's tables and plots
-  after each finished run, so a grid stopped part-way leaves results for the runs it finished.
+  after finished runs (`ThrottledReport`), so a grid stopped part-way leaves results for the runs
+  it finished; the caller writes the last report.
   """
   out.mkdir(parents=True, exist_ok=True)
-  with stop_on_ctrl_c(out):
-    return _run_grid(runs, base, common, out, workroot, report, adopt)
+  throttled = ThrottledReport(report) if report is not None else None
+  with stop_on_ctrl_c(out), throttled.flushed_on_error() if throttled else contextlib.nullcontext():
+    return _run_grid(runs, base, common, out, workroot, throttled, adopt)
 
 
 def _run_grid(runs, base, common, out, workroot, report, adopt) -> list[dict]:

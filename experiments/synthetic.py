@@ -483,7 +483,8 @@ def main(argv):
       f"like {names}, ...)"
     )
   print(f"synthetic grid, scale {FLAGS.scale}: {len(runs)} runs -> {out} (workdirs {root})")
-  with grid.stop_on_ctrl_c(out):
+  report = grid.ThrottledReport(summarize)
+  with grid.stop_on_ctrl_c(out), report.flushed_on_error():
     for i, (task, encoding, randomized) in enumerate(runs, start=1):
       name = run_name(task, encoding, randomized)
       path = out / (file_stem(name) + ".json")
@@ -509,7 +510,7 @@ def main(argv):
         f"{summary}",
         flush=True,
       )
-      summarize(str(out))  # after every run: a grid stopped part way leaves its summaries
+      report(str(out))  # a grid stopped part way leaves its summaries
   count = summarize(str(out))
   print(f"wrote {out}/results.csv, table.md and one PNG per task ({count} runs)", flush=True)
 

@@ -194,6 +194,31 @@ def test_ctrl_c_in_a_grid_is_one_line_naming_the_finished_runs(tmp_path, capsys,
   assert "rerun the same command to resume" in err
 
 
+def test_reports_of_runs_finished_within_a_minute_are_one_and_ctrl_c_writes_the_last(
+  monkeypatch,
+):
+  from experiments import grid
+
+  now, written = [1000.0], []
+  monkeypatch.setattr(grid.time, "monotonic", lambda: now[0])
+  report = grid.ThrottledReport(written.append)
+  report(["a"])  # the first at once
+  now[0] += 30
+  report(["a", "b"])  # within the minute: pending
+  assert written == [["a"]]
+  now[0] += 31
+  report(["a", "b", "c"])  # the minute passed: the latest records
+  assert written == [["a"], ["a", "b", "c"]]
+  now[0] += 1
+  report(["a", "b", "c", "d"])
+  with pytest.raises(KeyboardInterrupt), report.flushed_on_error():
+    raise KeyboardInterrupt
+  assert written[-1] == ["a", "b", "c", "d"]
+  with report.flushed_on_error():  # nothing pending: nothing written
+    pass
+  assert len(written) == 3
+
+
 def test_a_finished_run_keeps_its_recorded_workdir_when_fields_were_added_since(
   tmp_path, monkeypatch
 ):
