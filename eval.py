@@ -58,6 +58,19 @@ flags.DEFINE_string(
 flags.DEFINE_string(
   "rope_factor", "1", "Factor of --rope_scaling, or 'auto' = each length / training length."
 )
+flags.DEFINE_float(
+  "rope_beta_fast", 0.0, "--rope_scaling=yarn|ntk_by_parts: beta_fast (0 = posenc.scaling's 32)."
+)
+flags.DEFINE_float(
+  "rope_beta_slow", 0.0, "--rope_scaling=yarn|ntk_by_parts: beta_slow (0 = posenc.scaling's 1)."
+)
+flags.DEFINE_string(
+  "rope_ramp",
+  "trained",
+  "--rope_scaling=yarn|ntk_by_parts: count beta_fast / beta_slow rotations over the training "
+  "length ('trained': Hugging Face, the YaRN paper) or over each evaluated length ('evaluated': "
+  "Resonance RoPE's from-scratch code).",
+)
 flags.DEFINE_integer(
   "window", 0, "Sliding attention window imposed at evaluation (0 = as trained)."
 )
@@ -126,7 +139,8 @@ flags.DEFINE_integer(
 # Flags that only evaluating one --workdir reads (an error with --compare).
 WORKDIR_FLAGS = (
   "workdir", "hf_model", "out_dir", "lengths", "protocol", "stride", "max_tokens", "split", "step",
-  "batch_size", "rope_scaling", "rope_factor", "window", "bca", "query_scale", "data_files",
+  "batch_size", "rope_scaling", "rope_factor", "rope_beta_fast", "rope_beta_slow", "rope_ramp",
+  "window", "bca", "query_scale", "data_files",
   "overwrite", "task_lengths", "task_examples", "position_draws", "effective_fraction",
   "effective_threshold", "key_tokens", "key_short_window", *extend_flags.NAMES,
 )  # fmt: skip
@@ -136,6 +150,15 @@ PERPLEXITY_FLAGS = (
   "lengths", "protocol", "stride", "max_tokens", "split", "data_files", "bca", "key_tokens",
   "key_short_window",
 )  # fmt: skip
+
+
+def _rope_options() -> dict:
+  """The RoPE scaling flags as `spec_from_options` takes them."""
+  return dict(
+    rope_scaling=FLAGS.rope_scaling, rope_factor=FLAGS.rope_factor,
+    rope_beta_fast=FLAGS.rope_beta_fast, rope_beta_slow=FLAGS.rope_beta_slow,
+    rope_ramp=FLAGS.rope_ramp,
+  )  # fmt: skip
 
 
 def _check_flag_combinations() -> None:
@@ -236,8 +259,7 @@ def main(argv):
         raise ValueError(f"--task_lengths must be positive integers or 'default', got {lengths}")
       # The model overrides of perplexity evaluation, checked and parsed the same way.
       overrides = spec_lib.spec_from_options(
-        rope_scaling=FLAGS.rope_scaling,
-        rope_factor=FLAGS.rope_factor,
+        **_rope_options(),
         attention_window=FLAGS.window,
         query_scale=FLAGS.query_scale,
         extend=extend_flags.values(FLAGS)[0],
@@ -269,8 +291,7 @@ def main(argv):
       max_tokens=FLAGS.max_tokens,
       split=FLAGS.split,
       batch_size=FLAGS.batch_size,
-      rope_scaling=FLAGS.rope_scaling,
-      rope_factor=FLAGS.rope_factor,
+      **_rope_options(),
       attention_window=FLAGS.window,
       bca=FLAGS.bca,
       query_scale=FLAGS.query_scale,

@@ -19,6 +19,7 @@ import dataclasses
 import hashlib
 import json
 import pathlib
+import re
 import subprocess
 import sys
 import tarfile
@@ -228,15 +229,25 @@ def finished_record(
 def _changed_fields(recorded: dict, settings: dict) -> list[str]:
   """'field: recorded -> today' for every setting that differs. A field the record lacks counts
   as the same when today's value is its default in configs/default.py: a field added since, at
-  the value that keeps the old behaviour, does not make the run another run."""
+  the value that keeps the old behaviour, does not make the run another run. Nor does the hash
+  in the workdir a run starts from ($WORKROOT/<run>-<hash>, `workdir_name`): that run's own
+  record checks its settings, and a field added since changes its hash only."""
   defaults = run_settings(default.get_config(), None)
   changed = []
   for k in sorted(set(recorded) | set(settings)):
     if k not in recorded and k in defaults and settings.get(k) == defaults[k]:
       continue
+    if k == "train.init_from" and _parent_run(recorded.get(k)) == _parent_run(settings.get(k)):
+      continue
     if recorded.get(k, "(none)") != settings.get(k, "(none)"):
       changed.append(f"{k}: {recorded.get(k, '(none)')!r} -> {settings.get(k, '(none)')!r}")
   return changed
+
+
+def _parent_run(init_from) -> str | None:
+  """The run name of a workdir under the workroot ($WORKROOT/<run>-<hash>), else None."""
+  match = re.fullmatch(r"\$WORKROOT/(.+)-[0-9a-f]{10}", str(init_from))
+  return match and match.group(1)
 
 
 def workdir_name(run_name: str, settings: dict) -> str:

@@ -212,6 +212,12 @@ def _evaluation_label(ev: dict) -> str:
     return "as trained"
   if scaling in ("logn", "llama4"):
     return f"{scaling} query scale at evaluation"
+  rope = ev["result"].get("rope_scaling") or {}
+  if "ramp" in rope:  # a YaRN ramp of its own (eval.py --rope_beta_fast, --rope_ramp)
+    return (
+      f"{rope['kind']} at evaluation (factor length / L, beta_fast {rope['beta_fast']:g}, "
+      f"beta_slow {rope['beta_slow']:g} rotations over the {rope['ramp']} length)"
+    )
   return f"{scaling} at evaluation (factor length / L)"
 
 

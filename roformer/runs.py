@@ -69,6 +69,7 @@ def eval_model_config(
   seq_len: int,
   rope_scaling: str = "none",
   rope_factor: float = 1.0,
+  rope_fields: dict | None = None,
   attention_window: int = 0,
   window_kind: str = "sliding",
   extension: ContextExtension | None = None,
@@ -82,6 +83,7 @@ def eval_model_config(
     seq_len: the training length (the scaling's original_max_len).
     rope_scaling: a RopeScaling kind, or "none" to keep the run's encoding as trained.
     rope_factor: the scaling factor.
+    rope_fields: other posenc.scaling fields of the scaling (beta_fast, beta_slow, ramp_len).
     attention_window, window_kind: an attention window imposed at evaluation (0 = as trained),
       e.g. xPos's blockwise causal attention (window_kind "blockwise", window = seq_len).
     extension: a training-free context extension (`roformer.posenc.extension`); None keeps the
@@ -101,7 +103,9 @@ def eval_model_config(
         f"--rope_scaling rescales RoPE frequencies, but this run has posenc.kind={posenc.kind!r} "
         "(only rotary runs can be scaled)"
       )
-    scaling = RopeScaling(kind=rope_scaling, factor=float(rope_factor), original_max_len=seq_len)
+    scaling = RopeScaling(
+      kind=rope_scaling, factor=float(rope_factor), original_max_len=seq_len, **(rope_fields or {})
+    )
     posenc = dataclasses.replace(posenc, scaling=scaling)
   if extension is not None:
     # The ModelConfig built below validates it (rotary encodings, causal softmax attention).

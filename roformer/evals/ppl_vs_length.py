@@ -22,7 +22,7 @@ from roformer.evals.spec import EvalSpec, RopeOverride, output_name, rope_option
 from roformer.infra import workdir as workdir_lib
 from roformer.posenc import POSENCS
 from roformer.posenc import randomized as randomized_positions
-from roformer.posenc.config import EXTENSION_FIELDS
+from roformer.posenc.config import EXTENSION_FIELDS, RopeScaling
 
 # Positions kept in the JSON's per-position curve; longer windows are averaged over equal bins.
 MAX_POSITION_POINTS = 256
@@ -397,7 +397,15 @@ def _per_position(position_scores: dict) -> dict | None:
 def scaling_record(model_cfg, rope: RopeOverride | None) -> dict | None:
   """JSON "rope_scaling": the one applied at evaluation, else the run's own, else None."""
   if rope is not None:
-    return {"kind": rope.kind, "factor": rope.factor}
+    record = {"kind": rope.kind, "factor": rope.factor}
+    if rope.ramped():  # where beta_fast and beta_slow count rotations, and how many
+      default = RopeScaling()
+      record.update(
+        beta_fast=rope.beta_fast or default.beta_fast,
+        beta_slow=rope.beta_slow or default.beta_slow,
+        ramp=rope.ramp,
+      )
+    return record
   scaling = model_cfg.posenc.scaling
   if scaling.kind == "none" or not POSENCS[model_cfg.posenc.kind].accepts_rope_scaling:
     return None

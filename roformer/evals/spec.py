@@ -52,18 +52,51 @@ def factor_at(rope_factor: float | str, length: int, seq_len: int) -> float:
   return float(rope_factor)
 
 
+# Where YaRN's and NTK-by-parts' beta_fast / beta_slow count rotations: over the training length
+# (Hugging Face, the YaRN paper) or over each evaluated length (Resonance RoPE's from-scratch
+# code: its YaRN gets the extended length as max_position_embeddings).
+ROPE_RAMPS = ("trained", "evaluated")
+RAMPED_SCALINGS = ("ntk_by_parts", "yarn")
+
+
 @dataclasses.dataclass(frozen=True)
 class RopeOverride:
   """A RoPE scaling applied at evaluation: a SCALING_KINDS kind and its factor, a number or
-  AUTO_FACTOR (the evaluated length over the training length, at each length)."""
+  AUTO_FACTOR (the evaluated length over the training length, at each length); for
+  RAMPED_SCALINGS also beta_fast and beta_slow (0 = posenc.scaling's defaults) and the length
+  their rotations are counted over (ROPE_RAMPS)."""
 
   kind: str
   factor: float | str = 1.0
+  beta_fast: float = 0.0
+  beta_slow: float = 0.0
+  ramp: str = "trained"
 
   def __post_init__(self):
     if self.kind not in SCALING_KINDS or self.kind == "none":
       raise ValueError(f"--rope_scaling must be one of {SCALING_KINDS}, got {self.kind!r}")
     object.__setattr__(self, "factor", parse_rope_factor(self.factor))
+    if self.ramp not in ROPE_RAMPS:
+      raise ValueError(f"--rope_ramp must be one of {ROPE_RAMPS}, got {self.ramp!r}")
+    for name in ("beta_fast", "beta_slow"):
+      if getattr(self, name) < 0:
+        raise ValueError(f"--rope_{name} must be > 0, got {getattr(self, name)}")
+    if self.kind not in RAMPED_SCALINGS and self.ramped():
+      raise ValueError(
+        f"--rope_beta_fast, --rope_beta_slow and --rope_ramp are read by --rope_scaling in "
+        f"{RAMPED_SCALINGS}, not by --rope_scaling={self.kind}"
+      )
+
+  def ramped(self) -> bool:
+    """Whether the ramp differs from posenc.scaling's defaults."""
+    return bool(self.beta_fast or self.beta_slow or self.ramp != "trained")
+
+  def scaling_fields(self, length: int) -> dict:
+    """posenc.scaling fields beyond kind and factor for windows of `length` tokens."""
+    fields = {n: getattr(self, n) for n in ("beta_fast", "beta_slow") if getattr(self, n)}
+    if self.ramp == "evaluated":
+      fields["ramp_len"] = length
+    return fields
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,6 +232,9 @@ def spec_from_options(
   lengths: Sequence[int] = (),
   rope_scaling: str = "none",
   rope_factor: float | str = 1.0,
+  rope_beta_fast: float = 0.0,
+  rope_beta_slow: float = 0.0,
+  rope_ramp: str = "trained",
   attention_window: int = 0,
   extend: str = "none",
   extend_fields: dict | None = None,
@@ -207,9 +243,12 @@ def spec_from_options(
   """An EvalSpec from eval.py's options (and the grids' recorded ones): `rope_scaling` "none"
   means no override, `attention_window` is the spec's `window`, and `extend` with
   `extend_fields` ({"window": W, ...}, 0 = not given) its `extension`."""
-  rope = None if rope_scaling == "none" else RopeOverride(rope_scaling, rope_factor)
+  ramp = dict(beta_fast=rope_beta_fast, beta_slow=rope_beta_slow, ramp=rope_ramp)
+  rope = None if rope_scaling == "none" else RopeOverride(rope_scaling, rope_factor, **ramp)
   if rope is None:
     parse_rope_factor(rope_factor)  # a bad --rope_factor is an error even without a scaling
+    if rope_beta_fast or rope_beta_slow or rope_ramp != "trained":
+      raise ValueError("--rope_beta_fast, --rope_beta_slow and --rope_ramp need --rope_scaling")
   extension = extension_from_options(extend, **(extend_fields or {}))
   return EvalSpec(
     lengths=tuple(lengths), rope=rope, window=attention_window, extension=extension, **fields
@@ -227,7 +266,11 @@ def rope_options(rope: "RopeOverride | None", length: int, seq_len: int) -> dict
   the override's kind and its factor there ("auto": length / seq_len), or none."""
   if rope is None:
     return {"rope_scaling": "none", "rope_factor": 1.0}
-  return {"rope_scaling": rope.kind, "rope_factor": factor_at(rope.factor, length, seq_len)}
+  return {
+    "rope_scaling": rope.kind,
+    "rope_factor": factor_at(rope.factor, length, seq_len),
+    "rope_fields": rope.scaling_fields(length),
+  }
 
 
 def overrides_suffix(
@@ -239,13 +282,20 @@ def overrides_suffix(
   query_scale: str = "none",
 ) -> str:
   """The name suffix of the model overrides an evaluation applies: a RoPE scaling
-  (`_<scaling>_<factor>`, factor "auto" too), an attention window (`_window<W>`, `_bca<W>`), a
+  (`_<scaling>_<factor>`, factor "auto" too; `_bf<N>`, `_bs<N>`, `_ramp_evaluated` for its
+  ramp), an attention window (`_window<W>`, `_bca<W>`), a
   context extension (`_<kind>_<field><N>...`) and a query temperature (`_qscale_<kind>`); "" for
   none."""
   suffix = ""
   if rope is not None:
     factor = rope.factor
     suffix += f"_{rope.kind}_{factor if factor == AUTO_FACTOR else f'{float(factor):g}'}"
+    if rope.beta_fast:
+      suffix += f"_bf{rope.beta_fast:g}"
+    if rope.beta_slow:
+      suffix += f"_bs{rope.beta_slow:g}"
+    if rope.ramp != "trained":
+      suffix += f"_ramp_{rope.ramp}"
   if window:
     suffix += f"_{window_name}{window}"
   if extension is not None:
@@ -261,7 +311,8 @@ def output_name(spec: EvalSpec, *, seq_len: int) -> str:
 
   Evaluating other text (`_files`), the test split (`_test`), other lengths (`_len256-512`), one
   protocol (`_sliding`), a stride (`_stride64`), another number of scored tokens (`_tok8192`), a
-  RoPE scaling (`_<scaling>_<factor>`, factor "auto" too), an attention window (`_window<W>`,
+  RoPE scaling (`_<scaling>_<factor>`, factor "auto" too, then `_bf<beta_fast>`, `_bs<beta_slow>`
+  and `_ramp_evaluated` where set), an attention window (`_window<W>`,
   `_bca<W>`), a context extension (`_<kind>_<field><N>...`) or key tokens (`_keytok<K>`) never
   overwrites the plain validation result.
   """

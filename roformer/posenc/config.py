@@ -66,6 +66,12 @@ class RopeScaling:
   beta_slow: float = param(
     1.0, "ntk_by_parts / yarn: rotations per context below which a frequency is fully interpolated"
   )
+  ramp_len: int = param(
+    0,
+    "ntk_by_parts / yarn: the context over which beta_fast and beta_slow count rotations (0 = "
+    "original_max_len, as Hugging Face and the YaRN paper; Resonance RoPE's from-scratch code "
+    "counts them over the extended length: eval.py --rope_ramp=evaluated)",
+  )
   mscale: float = param(0.0, "yarn: attention-factor coefficient (0 = use 0.1 ln(factor) + 1)")
   mscale_all_dim: float = param(
     0.0, "yarn: attention-factor coefficient of the denominator (0 = unused)"

@@ -68,6 +68,8 @@ def check_scaling(
       f"posenc.scaling.beta_fast={s['beta_fast']} and posenc.scaling.beta_slow={s['beta_slow']} "
       "must both be > 0"
     )
+  if s["ramp_len"] < 0:
+    raise ValueError(f"posenc.scaling.ramp_len={s['ramp_len']} must be >= 0")
   if s["kind"] == "yarn" and (s["mscale"] < 0 or s["mscale_all_dim"] < 0):
     raise ValueError("posenc.scaling.mscale and posenc.scaling.mscale_all_dim must be >= 0")
   if s["kind"] == "longrope":
@@ -108,7 +110,7 @@ def rope_frequencies(
         L = max(seq_len, L0) and L0 = original_max_len; equals the plain frequencies up to L0.
       - ntk_by_parts: YaRN's per-frequency interpolation between theta_i / factor (long
         wavelengths) and theta_i (short), ramped between beta_slow and beta_fast rotations over
-        L0; attention factor 1.
+        L0, or over `ramp_len` where it is set; attention factor 1.
       - yarn: ntk_by_parts plus HF's attention factor: mscale(factor, mscale) /
         mscale(factor, mscale_all_dim) when both are set (non-zero), else mscale(factor, 1),
         with mscale(s, m) = 0.1 m ln(s) + 1 for s > 1 (1 otherwise). A lone `mscale` is
@@ -245,12 +247,14 @@ def _dynamic_ntk(inv_freq, d, factor, l0, seq_len):
 
 
 def _yarn_inv_freq(inv_freq, d, base, s):
-  factor, l0 = float(s["factor"]), s["original_max_len"]
-  beta_fast, beta_slow = s["beta_fast"], s["beta_slow"]
+  factor, beta_fast, beta_slow = float(s["factor"]), s["beta_fast"], s["beta_slow"]
+  # Rotations are counted over the original length (HF, the YaRN paper), or over `ramp_len`
+  # (Resonance RoPE's from-scratch code passes the extended length as max_position_embeddings).
+  span = s["ramp_len"] or s["original_max_len"]
 
   def correction_dim(num_rotations):
-    # The dimension whose wavelength makes `num_rotations` turns over the original length.
-    return d * math.log(l0 / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
+    # The dimension whose wavelength makes `num_rotations` turns over the span.
+    return d * math.log(span / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
 
   # truncate=True (HF's default): whole dims; `high` is clamped to d - 1 as in HF.
   low = max(math.floor(correction_dim(beta_fast)), 0)

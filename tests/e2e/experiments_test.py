@@ -31,7 +31,7 @@ def test_the_extrapolation_grid_plans_every_run():
   fine_tunes = {"rope_linear_2x", "rope_yarn_2x"}
   frontier = {"irope", "rnope_swa", "qk_norm", "ssmax", "pope", "resonance", "fox", "sinks"}
   recalibrations = {"drope", "rope_continued"}
-  evaluated = {"rope_logn", "nope_logn", "nope_llama4"}
+  evaluated = {"rope_logn", "nope_logn", "nope_llama4", "resonance_yarn_authors"}
   assert runs == (
     encodings | {f"{e}_short" for e in encodings} | seeds | fine_tunes | frontier
     | recalibrations | evaluated
@@ -56,6 +56,7 @@ def test_extrapolation_grid_writes_every_output_and_resumes(tmp_path):
   assert runs == {
     "learned", "learned_short", "learned_short_seed1", "rope", "rope_short", "rope_short_seed1",
     "rope_linear_2x", "rope_yarn_2x", "rope_logn", "xpos", "xpos_short", "resonance", "drope",
+    "resonance_yarn_authors",
   }  # fmt: skip
   seed_run = json.loads((out / "rope_short_seed1.json").read_text())
   assert seed_run["overrides"]["train.seed"] == 1
@@ -100,6 +101,17 @@ def test_extrapolation_grid_writes_every_output_and_resumes(tmp_path):
   for name in ("resonance", "drope", "rope_logn"):
     assert f"| {name} | " in frontier_rows, name
   assert "| resonance | yarn at evaluation" in frontier_rows
+  # Resonance YaRN as its authors' from-scratch code: the resonance checkpoint, YaRN with
+  # beta_fast 2 counted over each evaluated length.
+  authors = json.loads((out / "resonance_yarn_authors.json").read_text())
+  assert authors["eval_of"] == "resonance" and authors["train_seconds"] == 0.0
+  assert authors["evaluations"][0]["result"]["rope_scaling"] == {
+    "kind": "yarn", "factor": "auto", "beta_fast": 2.0, "beta_slow": 1.0, "ramp": "evaluated"
+  }  # fmt: skip
+  assert (
+    "| resonance_yarn_authors | yarn at evaluation (factor length / L, beta_fast 2, beta_slow 1 "
+    "rotations over the evaluated length) |" in frontier_rows
+  )
   # A rerun finds every run done and only rewrites the report.
   rerun = _run("extrapolation", out, workroot, f"--only={','.join(PIECES)}")
   assert rerun.returncode == 0, rerun.stderr[-3000:]
@@ -217,6 +229,21 @@ def test_reports_of_runs_finished_within_a_minute_are_one_and_ctrl_c_writes_the_
   with report.flushed_on_error():  # nothing pending: nothing written
     pass
   assert len(written) == 3
+
+
+def test_the_workdir_a_run_starts_from_counts_by_its_run_not_its_settings_hash():
+  # The parent's hash moves when a config field is added (its own record checks its settings).
+  from experiments import grid
+
+  recorded = {"train.init_from": "$WORKROOT/copy__rope-1bb1d3474c", "train.seed": 0}
+  today = {"train.init_from": "$WORKROOT/copy__rope-6eaa303b66", "train.seed": 0}
+  assert grid._changed_fields(recorded, today) == []
+  other = dict(today, **{"train.init_from": "$WORKROOT/copy__fire-6eaa303b66"})
+  assert grid._changed_fields(recorded, other) == [
+    "train.init_from: '$WORKROOT/copy__rope-1bb1d3474c' -> '$WORKROOT/copy__fire-6eaa303b66'"
+  ]
+  outside = dict(today, **{"train.init_from": "/elsewhere/copy__rope-6eaa303b66"})
+  assert len(grid._changed_fields(recorded, outside)) == 1
 
 
 def test_a_finished_run_keeps_its_recorded_workdir_when_fields_were_added_since(

@@ -2,6 +2,7 @@
 config an evaluation runs (runs.eval_model_config) and the per-position bins."""
 
 import numpy as np
+import pytest
 
 from configs import default
 from roformer import config as config_lib
@@ -47,6 +48,44 @@ def test_default_lengths_and_output_name():
   # Key tokens add fields: a name of their own, with the short window (default L / 4).
   assert _name(key_tokens=True) == "ppl_vs_length_keytok64"
   assert _name(key_tokens=True, key_short_window=32) == "ppl_vs_length_keytok32"
+
+
+def test_a_yarn_ramp_of_its_own_names_its_result_and_scales_each_length_over_itself():
+  authors = dict(rope_scaling="yarn", rope_factor="auto", rope_beta_fast=2, rope_beta_slow=1,
+                 rope_ramp="evaluated")  # fmt: skip
+  assert _name(**authors) == "ppl_vs_length_yarn_auto_bf2_bs1_ramp_evaluated"
+  rope = spec.spec_from_options(**authors).rope
+  assert spec.rope_options(rope, 1024, 256) == {
+    "rope_scaling": "yarn",
+    "rope_factor": 4.0,
+    "rope_fields": {"beta_fast": 2.0, "beta_slow": 1.0, "ramp_len": 1024},
+  }
+  cfg = config_lib.run_config_from_dict(default.get_config()).model
+  scaling = runs.eval_model_config(cfg, seq_len=256, **spec.rope_options(rope, 1024, 256))
+  scaling = scaling.posenc.scaling
+  assert (scaling.factor, scaling.original_max_len, scaling.ramp_len) == (4.0, 256, 1024)
+  assert (scaling.beta_fast, scaling.beta_slow) == (2.0, 1.0)
+  # Hugging Face's ramp: nothing set, the training length.
+  plain = spec.spec_from_options(rope_scaling="yarn", rope_factor="auto").rope
+  assert spec.rope_options(plain, 1024, 256)["rope_fields"] == {}
+  assert ppl_vs_length.scaling_record(cfg, rope) == {
+    "kind": "yarn", "factor": "auto", "beta_fast": 2.0, "beta_slow": 1.0, "ramp": "evaluated"
+  }  # fmt: skip
+  assert ppl_vs_length.scaling_record(cfg, plain) == {"kind": "yarn", "factor": "auto"}
+
+
+@pytest.mark.parametrize(
+  "options, message",
+  [
+    (dict(rope_scaling="linear", rope_factor=2, rope_beta_fast=2), "not by --rope_scaling=linear"),
+    (dict(rope_ramp="evaluated"), "need --rope_scaling"),
+    (dict(rope_scaling="yarn", rope_ramp="extended"), "--rope_ramp must be one of"),
+    (dict(rope_scaling="yarn", rope_beta_slow=-1), "--rope_beta_slow must be > 0"),
+  ],
+)
+def test_a_yarn_ramp_is_refused_where_no_scaling_reads_it(options, message):
+  with pytest.raises(ValueError, match=message):
+    spec.spec_from_options(**options)
 
 
 def test_bin_positions_averages_weighted_loss_per_bin():

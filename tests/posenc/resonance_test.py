@@ -53,3 +53,22 @@ def test_resonance_of_a_non_rotary_encoding_is_refused_naming_the_field():
   with pytest.raises(ValueError, match="posenc.rope_resonance"):
     posenc.validate_posenc(PosEncConfig(kind="alibi", rope_resonance=True), causal=True,
                            head_dim=8)  # fmt: skip
+
+
+def test_resonance_yarn_of_the_authors_from_scratch_code_matches_a_hand_computation():
+  # Their YaRN gets the extended length E = 512 as max_position_embeddings, beta_fast 2 and
+  # beta_slow 1: d = 8, base 10^4, theta = 1, 0.1, 0.01, 0.001, factor 4.
+  # correction dim of r rotations: 8 ln(512 / (2 pi r)) / (2 ln 10^4): r = 2 -> 1.61, floored to
+  # 1; r = 1 -> 1.91, ceiled to 2. Pairs 0 and 1 keep theta, pairs 2 and 3 take theta / 4.
+  authors = RopeScaling(
+    kind="yarn", factor=4.0, original_max_len=128, beta_fast=2.0, beta_slow=1.0, ramp_len=512
+  )
+  by_hand = np.asarray([1.0, 0.1, 0.0025, 0.00025])
+  np.testing.assert_allclose(_inv_freq(scaling=authors), by_hand, rtol=1e-6)
+  # Resonance rounds those: wavelengths 6.28, 62.8, 2513.3, 25132.7 -> 6, 63, 2513, 25133.
+  rounded = [2 * math.pi / w for w in (6, 63, 2513, 25133)]
+  np.testing.assert_allclose(_inv_freq(scaling=authors, rope_resonance=True), rounded, rtol=1e-6)
+  # Negative control: Hugging Face's ramp (beta_fast 32 over L0 = 128: dims 0 to 2) interpolates
+  # pair 1 half-way: 0.1 / 4 / 2 + 0.1 / 2 = 0.0625.
+  hf = _inv_freq(scaling=RopeScaling(kind="yarn", factor=4.0, original_max_len=128))
+  np.testing.assert_allclose(hf, [1.0, 0.0625, 0.0025, 0.00025], rtol=1e-6)
