@@ -11,12 +11,13 @@ repeats the quarter-budget rope, sinusoidal and learned runs with another seed (
 
 The 2024-26 options (docs/frontier.md) are arms of the same budget and seed, evaluated on
 non-overlapping windows from L to 16L: iRoPE, RNoPE-SWA, QK-norm, SSMax, PoPE, Resonance RoPE
-(also with YaRN at evaluation: Resonance YaRN, as Hugging Face's YaRN and as the Resonance
-authors' from-scratch code runs it), FoX and attention sinks (configs/arms.py); the
-rope and nope checkpoints evaluated with a query temperature imposed (logn, llama4: no training);
-and DroPE, the rope run continued at L with no positional encoding for the fine-tunes' budget,
-beside the same continuation with RoPE. `--only` takes these names too; a run that starts from
-another (a fine-tune, an evaluation) brings that one along, retraining it if its workdir is gone.
+(also with YaRN at evaluation: Resonance YaRN; with Hugging Face's YaRN and, beside the rope
+run, with YaRN as the Resonance authors' from-scratch code runs it), FoX and attention sinks
+(configs/arms.py); the rope and nope checkpoints evaluated with a query temperature imposed
+(logn, llama4: no training); and DroPE, the rope run continued at L with no positional encoding
+for the fine-tunes' budget, beside the same continuation with RoPE. `--only` takes these names
+too; a run that starts from another (a fine-tune, an evaluation) brings that one along,
+retraining it if its workdir is gone.
 
   python -m experiments.extrapolation [--scale=tiny|cpu|paper] [--corpus=pystdlib|sotu]
       [--only=rope,alibi] [--out=DIR] [--workroot=DIR]
@@ -55,13 +56,14 @@ def frontier_arms(L: int) -> dict[str, dict]:
   return {name: arms.overrides(name, seq_len=L, nope_every=NOPE_EVERY) for name in FRONTIER}
 
 
-# Resonance YaRN as the Resonance RoPE authors' from-scratch code runs it (PosGen,
-# `custom_decoder.py`): the resonance run, trained without scaling, evaluated with YaRN whose
-# beta_fast is 2 (beta_slow 1) and whose rotations are counted over the evaluated length (its
-# max_position_embeddings), where Hugging Face counts beta_fast = 32 rotations over the training
-# length (the resonance run's own "yarn" evaluation). Their factor is (E + 1) / (L + 1), this
+# YaRN and Resonance YaRN as the Resonance RoPE authors' from-scratch code runs them (PosGen,
+# `custom_decoder.py`): the rope and resonance runs, trained without scaling, evaluated with YaRN
+# whose beta_fast is 2 (beta_slow 1) and whose rotations are counted over the evaluated length
+# (its max_position_embeddings), where Hugging Face counts beta_fast = 32 rotations over the
+# training length (the runs' own "yarn" evaluations). Their factor is (E + 1) / (L + 1), this
 # one E / L (1.99 against 2 at E = 2L).
-RESONANCE_YARN_AUTHORS = dict(
+YARN_AUTHORS_OF = ("rope", "resonance")
+YARN_AUTHORS = dict(
   rope_scaling="yarn", rope_factor="auto", rope_beta_fast=2.0, rope_beta_slow=1.0,
   rope_ramp="evaluated",
 )  # fmt: skip
@@ -190,9 +192,11 @@ def grid_runs(scale: Scale, only: set[str]) -> list[grid.Run]:
     enc = arm["posenc.kind"]
     overrides = {"posenc.kind": enc, "train.num_train_steps": scale.steps, **arm}
     runs.append(grid.Run(name, enc, overrides, evals, budget="frontier"))
-    if name == "resonance":
-      evals = [grid.Eval("yarn_authors", dict(curve, **RESONANCE_YARN_AUTHORS))]
-      runs.append(grid.Run(f"{name}_yarn_authors", enc, {}, evals, eval_of=name, budget="eval"))
+  for name in YARN_AUTHORS_OF:  # after the runs they evaluate
+    if only and name not in only:
+      continue
+    evals = [grid.Eval("yarn_authors", dict(curve, **YARN_AUTHORS))]
+    runs.append(grid.Run(f"{name}_yarn_authors", "rope", {}, evals, eval_of=name, budget="eval"))
   for name in RECALIBRATIONS:
     if only and name not in only:
       continue

@@ -31,7 +31,8 @@ def test_the_extrapolation_grid_plans_every_run():
   fine_tunes = {"rope_linear_2x", "rope_yarn_2x"}
   frontier = {"irope", "rnope_swa", "qk_norm", "ssmax", "pope", "resonance", "fox", "sinks"}
   recalibrations = {"drope", "rope_continued"}
-  evaluated = {"rope_logn", "nope_logn", "nope_llama4", "resonance_yarn_authors"}
+  evaluated = {"rope_logn", "nope_logn", "nope_llama4"}
+  evaluated |= {"rope_yarn_authors", "resonance_yarn_authors"}
   assert runs == (
     encodings | {f"{e}_short" for e in encodings} | seeds | fine_tunes | frontier
     | recalibrations | evaluated
@@ -56,7 +57,7 @@ def test_extrapolation_grid_writes_every_output_and_resumes(tmp_path):
   assert runs == {
     "learned", "learned_short", "learned_short_seed1", "rope", "rope_short", "rope_short_seed1",
     "rope_linear_2x", "rope_yarn_2x", "rope_logn", "xpos", "xpos_short", "resonance", "drope",
-    "resonance_yarn_authors",
+    "rope_yarn_authors", "resonance_yarn_authors",
   }  # fmt: skip
   seed_run = json.loads((out / "rope_short_seed1.json").read_text())
   assert seed_run["overrides"]["train.seed"] == 1
@@ -101,8 +102,8 @@ def test_extrapolation_grid_writes_every_output_and_resumes(tmp_path):
   for name in ("resonance", "drope", "rope_logn"):
     assert f"| {name} | " in frontier_rows, name
   assert "| resonance | yarn at evaluation" in frontier_rows
-  # Resonance YaRN as its authors' from-scratch code: the resonance checkpoint, YaRN with
-  # beta_fast 2 counted over each evaluated length.
+  # (Resonance) YaRN as the Resonance authors' from-scratch code: the resonance checkpoint
+  # (and rope's), YaRN with beta_fast 2 counted over each evaluated length.
   authors = json.loads((out / "resonance_yarn_authors.json").read_text())
   assert authors["eval_of"] == "resonance" and authors["train_seconds"] == 0.0
   assert authors["evaluations"][0]["result"]["rope_scaling"] == {
