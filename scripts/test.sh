@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Every test, slow ones included: bash scripts/test.sh [extra pytest arguments]
-# (about 18 minutes on 2 CPU cores; `python -m pytest tests/<dir>` runs one directory).
+# (about 16 minutes on 2 CPU cores; `python -m pytest tests/<dir>` runs one directory).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 export JAX_PLATFORMS=cpu
 # The tests' programs are tiny, so their time is XLA compiling, not running. At LLVM's
 # optimisation level 0 XLA:CPU compiles them about 40% faster, and with its elemental IR emitters
-# in place of the newer MLIR fusion emitters about 2.5x faster again (the suite: 1,428 -> 1,046 s;
-# the programs then run about 15% slower, and floats may differ in the last bit). A test's
+# in place of the newer MLIR fusion emitters faster again (the suite: 1,428 s at level 0 alone,
+# 1,046 s with both; the programs run about 15% slower, and floats may differ in the last bit). A test's
 # subprocesses inherit the flags (roformer.testing.subprocess_env); `python -m pytest` runs with
 # XLA's defaults.
 export XLA_FLAGS="${XLA_FLAGS:---xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false}"
