@@ -80,7 +80,9 @@ class RopeOverride:
       raise ValueError(f"--rope_ramp must be one of {ROPE_RAMPS}, got {self.ramp!r}")
     for name in ("beta_fast", "beta_slow"):
       if getattr(self, name) < 0:
-        raise ValueError(f"--rope_{name} must be > 0, got {getattr(self, name)}")
+        raise ValueError(
+          f"--rope_{name} must be > 0 (0: posenc.scaling's default), got {getattr(self, name)}"
+        )
     if self.kind not in RAMPED_SCALINGS and self.ramped():
       raise ValueError(
         f"--rope_beta_fast, --rope_beta_slow and --rope_ramp are read by --rope_scaling in "

@@ -70,6 +70,11 @@ def check_scaling(
     )
   if s["ramp_len"] < 0:
     raise ValueError(f"posenc.scaling.ramp_len={s['ramp_len']} must be >= 0")
+  if s["ramp_len"] and s["kind"] not in ("ntk_by_parts", "yarn"):
+    raise ValueError(
+      f"posenc.scaling.ramp_len={s['ramp_len']} is read by posenc.scaling.kind 'ntk_by_parts' and "
+      f"'yarn', not by {s['kind']!r}"
+    )
   if s["kind"] == "yarn" and (s["mscale"] < 0 or s["mscale_all_dim"] < 0):
     raise ValueError("posenc.scaling.mscale and posenc.scaling.mscale_all_dim must be >= 0")
   if s["kind"] == "longrope":

@@ -72,3 +72,16 @@ def test_resonance_yarn_of_the_authors_from_scratch_code_matches_a_hand_computat
   # pair 1 half-way: 0.1 / 4 / 2 + 0.1 / 2 = 0.0625.
   hf = _inv_freq(scaling=RopeScaling(kind="yarn", factor=4.0, original_max_len=128))
   np.testing.assert_allclose(hf, [1.0, 0.0625, 0.0025, 0.00025], rtol=1e-6)
+
+
+def test_a_ramp_length_is_refused_by_a_scaling_that_does_not_read_it():
+  from roformer.posenc import rope_scaling
+
+  with pytest.raises(ValueError, match="ramp_len=512 is read by .* not by 'linear'"):
+    rope_scaling.check_scaling(RopeScaling(kind="linear", factor=2.0, ramp_len=512))
+  with pytest.raises(ValueError, match="ramp_len=-1 must be >= 0"):
+    rope_scaling.check_scaling(
+      RopeScaling(kind="yarn", factor=2.0, original_max_len=64, ramp_len=-1)
+    )
+  read = RopeScaling(kind="yarn", factor=2.0, original_max_len=64, ramp_len=512)
+  rope_scaling.check_scaling(read)  # no error
