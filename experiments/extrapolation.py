@@ -56,17 +56,9 @@ def frontier_arms(L: int) -> dict[str, dict]:
   return {name: arms.overrides(name, seq_len=L, nope_every=NOPE_EVERY) for name in FRONTIER}
 
 
-# YaRN and Resonance YaRN as the Resonance RoPE authors' from-scratch code runs them (PosGen,
-# `custom_decoder.py`): the rope and resonance runs, trained without scaling, evaluated with YaRN
-# whose beta_fast is 2 (beta_slow 1) and whose rotations are counted over the evaluated length
-# (its max_position_embeddings), where Hugging Face counts beta_fast = 32 rotations over the
-# training length (the runs' own "yarn" evaluations). Their factor is (E + 1) / (L + 1), this
-# one E / L (1.99 against 2 at E = 2L).
+# YaRN and Resonance YaRN as the Resonance RoPE authors' from-scratch code runs them
+# (grid.YARN_AUTHORS) on the rope and resonance runs, beside their Hugging Face YaRN evaluations.
 YARN_AUTHORS_OF = ("rope", "resonance")
-YARN_AUTHORS = dict(
-  rope_scaling="yarn", rope_factor="auto", rope_beta_fast=2.0, rope_beta_slow=1.0,
-  rope_ramp="evaluated",
-)  # fmt: skip
 
 # DroPE (arXiv 2512.12167): the rope run continued with no positional encoding at L, for the
 # fine-tunes' budget; "rope_continued" continues it with RoPE, the control for the extra steps.
@@ -195,7 +187,7 @@ def grid_runs(scale: Scale, only: set[str]) -> list[grid.Run]:
   for name in YARN_AUTHORS_OF:  # after the runs they evaluate
     if only and name not in only:
       continue
-    evals = [grid.Eval("yarn_authors", dict(curve, **YARN_AUTHORS))]
+    evals = [grid.Eval("yarn_authors", dict(curve, **grid.YARN_AUTHORS))]
     runs.append(grid.Run(f"{name}_yarn_authors", "rope", {}, evals, eval_of=name, budget="eval"))
   for name in RECALIBRATIONS:
     if only and name not in only:

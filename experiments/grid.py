@@ -277,6 +277,17 @@ class Eval:
   kwargs: dict = dataclasses.field(default_factory=dict)
 
 
+# YaRN as the Resonance RoPE authors' from-scratch code (PosGen, `custom_decoder.py`) runs it,
+# as evaluation options: the run trained without scaling, evaluated with YaRN whose beta_fast is 2
+# (beta_slow 1) and whose rotations are counted over the evaluated length (its
+# max_position_embeddings), where Hugging Face counts beta_fast = 32 rotations over the training
+# length. Their factor is (E + 1) / (L + 1), this one E / L (1.99 against 2 at E = 2L).
+YARN_AUTHORS = dict(
+  rope_scaling="yarn", rope_factor="auto", rope_beta_fast=2.0, rope_beta_slow=1.0,
+  rope_ramp="evaluated",
+)  # fmt: skip
+
+
 @dataclasses.dataclass
 class Run:
   """One training run of a grid and its evaluations.

@@ -99,6 +99,9 @@ EVALUATIONS = {  # name -> (the run scored, its evaluation options)
   "drope_logn": ("drope", {"query_scale": "logn"}),
   "rope_yarn": ("rope", {"rope_scaling": "yarn", "rope_factor": "auto"}),
   "resonance_yarn": ("resonance", {"rope_scaling": "yarn", "rope_factor": "auto"}),
+  # The same, with YaRN as the Resonance RoPE authors' from-scratch code (PosGen) runs it.
+  "rope_yarn_authors": ("rope", grid.YARN_AUTHORS),
+  "resonance_yarn_authors": ("resonance", grid.YARN_AUTHORS),
 }
 DERIVED = {**RECALIBRATIONS, **EVALUATIONS}  # name -> (the run it starts from, how)
 
@@ -336,7 +339,10 @@ def score(workdir, spec: dict) -> dict:
   )[0]
   rope = None
   if "rope_scaling" in spec:
-    rope = RopeOverride(spec["rope_scaling"], spec["rope_factor"])
+    rope = RopeOverride(
+      spec["rope_scaling"], spec["rope_factor"], spec.get("rope_beta_fast", 0.0),
+      spec.get("rope_beta_slow", 0.0), spec.get("rope_ramp", "trained"),
+    )  # fmt: skip
   result = evaluate(query_scale=spec.get("query_scale", "none"), rope=rope)
   if rope is not None or "query_scale" in spec:
     # The same checkpoint without the option: the arm's own baseline (a run retrained in
