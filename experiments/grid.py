@@ -13,7 +13,6 @@ done (`finished_record` names the fields that differ) and two grids never share 
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import dataclasses
 import hashlib
@@ -28,6 +27,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from configs import default
+from experiments import progress
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -314,61 +314,6 @@ class Run:
   eval_of: str = ""
 
 
-# A grid rewrites its tables and plots after each finished run, so that a grid stopped part-way
-# leaves the summaries of the runs it finished; drawing them takes seconds, as long as a smoke
-# grid's whole run, so runs that finish faster than this share one rewrite. On an exception
-# (Ctrl-C, a signal, an error) the pending rewrite is made; after the last run the drivers write
-# their report themselves.
-REPORT_EVERY_SECONDS = 60.0
-
-
-class ThrottledReport:
-  """`report(*args)` after a finished run, at most once per REPORT_EVERY_SECONDS (the first at
-  once); `flush()` makes the one left pending."""
-
-  def __init__(self, report: Callable, every: float = REPORT_EVERY_SECONDS):
-    self.report, self.every, self.last, self.pending = report, every, -float("inf"), None
-
-  def __call__(self, *args) -> None:
-    self.pending = args
-    if time.monotonic() - self.last >= self.every:
-      self.flush()
-
-  def flush(self) -> None:
-    if self.pending is not None:
-      args, self.pending = self.pending, None
-      self.report(*args)
-      self.last = time.monotonic()
-
-  @contextlib.contextmanager
-  def flushed_on_error(self):
-    try:
-      yield self
-    except BaseException:
-      self.flush()
-      raise
-
-
-class Progress:
-  """One line per run: which run, elapsed time, and the grid's ETA from the runs done so far."""
-
-  def __init__(self, total: int):
-    self.total, self.start, self.done_seconds, self.done = total, time.time(), 0.0, 0
-
-  def begin(self, index: int, run: Run, what: str) -> float:
-    eta = ""
-    if self.done:
-      remaining = (self.total - index + 1) * self.done_seconds / self.done
-      eta = f", grid ETA {remaining / 60:.0f} min"
-    elapsed = (time.time() - self.start) / 60
-    print(f"[{index}/{self.total}] {run.name}: {what} ({elapsed:.0f} min elapsed{eta})", flush=True)
-    return time.time()
-
-  def end(self, started: float) -> None:
-    self.done += 1
-    self.done_seconds += time.time() - started
-
-
 def run_grid(
   runs: Sequence[Run],
   *,
@@ -383,17 +328,17 @@ def run_grid(
 
   A run is done when OUT/<run>.json holds its settings (`finished_record`; `adopt` records
   today's in a JSON that predates them). `report(records)` rewrites the grid's tables and plots
-  after finished runs (`ThrottledReport`), so a grid stopped part-way leaves results for the runs
-  it finished; the caller writes the last report.
+  after finished runs (`progress.ThrottledReport`), so a grid stopped part-way leaves results
+  for the runs it finished; the caller writes the last report.
   """
   out.mkdir(parents=True, exist_ok=True)
-  throttled = ThrottledReport(report) if report is not None else None
-  with stop_on_ctrl_c(out), throttled.flushed_on_error() if throttled else contextlib.nullcontext():
+  throttled = progress.ThrottledReport(report or (lambda records: None))
+  with progress.stop_on_ctrl_c(out), throttled.flushed_on_error():
     return _run_grid(runs, base, common, out, workroot, throttled, adopt)
 
 
 def _run_grid(runs, base, common, out, workroot, report, adopt) -> list[dict]:
-  progress = Progress(len(runs))
+  shown = progress.Progress(len(runs))
   records, workdirs, configs = [], {}, {}
   for index, run in enumerate(runs, start=1):
     path = out / f"{run.name}.json"
@@ -433,7 +378,7 @@ def _run_grid(runs, base, common, out, workroot, report, adopt) -> list[dict]:
     if parent:
       restore_run(parent, configs[parent][1], workdirs[parent], out / f"{parent}.json")
     doing = f"evaluating {run.eval_of}" if run.eval_of else f"training ({run.budget})"
-    started = progress.begin(index, run, doing)
+    started = shown.begin(index, run.name, doing)
     if run.eval_of:  # nothing to train: the evaluated run's final evaluation stands
       last_eval = json.loads((out / f"{run.eval_of}.json").read_text()).get("final_eval", {})
       train_seconds, metrics = 0.0, []
@@ -462,26 +407,9 @@ def _run_grid(runs, base, common, out, workroot, report, adopt) -> list[dict]:
     }
     path.write_text(json.dumps(record, indent=2) + "\n")
     records.append(record)
-    progress.end(started)
-    if report is not None:
-      report(records)
+    shown.end(started)
+    report(records)
   return records
-
-
-@contextlib.contextmanager
-def stop_on_ctrl_c(out: pathlib.Path):
-  """Ctrl-C: one line saying which runs are finished (their JSONs) and how to resume, exit 130."""
-  try:
-    yield
-  except KeyboardInterrupt:
-    done = sorted(p.stem for p in pathlib.Path(out).glob("*.json"))
-    print(
-      f"interrupted; {len(done)} finished runs in {out}"
-      + (f" ({', '.join(done)})" if done else "")
-      + "; rerun the same command to resume",
-      file=sys.stderr,
-    )
-    sys.exit(130)
 
 
 def finished_records(runs: Sequence[Run], out: pathlib.Path) -> list[dict]:

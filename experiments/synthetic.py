@@ -29,7 +29,7 @@ import time
 from absl import app, flags, logging
 
 from configs import arms, default
-from experiments import grid
+from experiments import grid, progress
 
 FLAGS = flags.FLAGS
 
@@ -327,7 +327,7 @@ def score(workdir, spec: dict) -> dict:
   """The task evaluation `spec` (`eval_spec`) of the run in `workdir`; with an evaluation arm's
   options also the same checkpoint without them ("plain_records")."""
   from roformer.evals import task_vs_length
-  from roformer.evals.spec import RopeOverride
+  from roformer.evals.spec import spec_from_options
 
   evaluate = lambda **options: task_vs_length.evaluate_tasks(  # noqa: E731
     workdir,
@@ -337,12 +337,8 @@ def score(workdir, spec: dict) -> dict:
     log=lambda line: None,
     **options,
   )[0]
-  rope = None
-  if "rope_scaling" in spec:
-    rope = RopeOverride(
-      spec["rope_scaling"], spec["rope_factor"], spec.get("rope_beta_fast", 0.0),
-      spec.get("rope_beta_slow", 0.0), spec.get("rope_ramp", "trained"),
-    )  # fmt: skip
+  # The arm's RoPE options (EVALUATIONS), parsed as eval.py parses its flags.
+  rope = spec_from_options(**{k: v for k, v in spec.items() if k.startswith("rope_")}).rope
   result = evaluate(query_scale=spec.get("query_scale", "none"), rope=rope)
   if rope is not None or "query_scale" in spec:
     # The same checkpoint without the option: the arm's own baseline (a run retrained in
@@ -489,8 +485,8 @@ def main(argv):
       f"like {names}, ...)"
     )
   print(f"synthetic grid, scale {FLAGS.scale}: {len(runs)} runs -> {out} (workdirs {root})")
-  report = grid.ThrottledReport(summarize)
-  with grid.stop_on_ctrl_c(out), report.flushed_on_error():
+  report = progress.ThrottledReport(summarize)
+  with progress.stop_on_ctrl_c(out), report.flushed_on_error():
     for i, (task, encoding, randomized) in enumerate(runs, start=1):
       name = run_name(task, encoding, randomized)
       path = out / (file_stem(name) + ".json")

@@ -59,6 +59,10 @@ ROPE_RAMPS = ("trained", "evaluated")
 RAMPED_SCALINGS = ("ntk_by_parts", "yarn")
 
 
+def _ramp_given(beta_fast: float, beta_slow: float, ramp: str) -> bool:
+  return bool(beta_fast or beta_slow or ramp != "trained")
+
+
 @dataclasses.dataclass(frozen=True)
 class RopeOverride:
   """A RoPE scaling applied at evaluation: a SCALING_KINDS kind and its factor, a number or
@@ -91,7 +95,7 @@ class RopeOverride:
 
   def ramped(self) -> bool:
     """Whether the ramp differs from posenc.scaling's defaults."""
-    return bool(self.beta_fast or self.beta_slow or self.ramp != "trained")
+    return _ramp_given(self.beta_fast, self.beta_slow, self.ramp)
 
   def scaling_fields(self, length: int) -> dict:
     """posenc.scaling fields beyond kind and factor for windows of `length` tokens."""
@@ -249,7 +253,7 @@ def spec_from_options(
   rope = None if rope_scaling == "none" else RopeOverride(rope_scaling, rope_factor, **ramp)
   if rope is None:
     parse_rope_factor(rope_factor)  # a bad --rope_factor is an error even without a scaling
-    if rope_beta_fast or rope_beta_slow or rope_ramp != "trained":
+    if _ramp_given(rope_beta_fast, rope_beta_slow, rope_ramp):
       raise ValueError("--rope_beta_fast, --rope_beta_slow and --rope_ramp need --rope_scaling")
   extension = extension_from_options(extend, **(extend_fields or {}))
   return EvalSpec(

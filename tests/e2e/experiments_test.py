@@ -196,10 +196,10 @@ def test_a_run_stopped_before_its_last_step_ends_the_grid_instead_of_being_score
 
 
 def test_ctrl_c_in_a_grid_is_one_line_naming_the_finished_runs(tmp_path, capsys, monkeypatch):
-  from experiments import grid
+  from experiments import progress
 
   (tmp_path / "copy__rope.json").write_text("{}")
-  with pytest.raises(SystemExit) as stopped, grid.stop_on_ctrl_c(tmp_path):
+  with pytest.raises(SystemExit) as stopped, progress.stop_on_ctrl_c(tmp_path):
     raise KeyboardInterrupt
   assert stopped.value.code == 130
   err = capsys.readouterr().err
@@ -210,11 +210,11 @@ def test_ctrl_c_in_a_grid_is_one_line_naming_the_finished_runs(tmp_path, capsys,
 def test_reports_of_runs_finished_within_a_minute_are_one_and_ctrl_c_writes_the_last(
   monkeypatch,
 ):
-  from experiments import grid
+  from experiments import progress
 
   now, written = [1000.0], []
-  monkeypatch.setattr(grid.time, "monotonic", lambda: now[0])
-  report = grid.ThrottledReport(written.append)
+  monkeypatch.setattr(progress.time, "monotonic", lambda: now[0])
+  report = progress.ThrottledReport(written.append)
   report(["a"])  # the first at once
   now[0] += 30
   report(["a", "b"])  # within the minute: pending
