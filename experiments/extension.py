@@ -16,7 +16,7 @@ single needle in a noise haystack) and RULER's multi-value needle in a haystack 
 is not learned by this model in 3x the budget: docs/long_context.md).
 
   python -m experiments.extension [--scale=tiny|cpu] [--corpus=pystdlib|sotu] [--only=yarn,dca]
-      [--tasks=passkey,niah_multivalue] [--dca_local_divisor=16|8] [--out=DIR] [--workroot=DIR]
+      [--tasks=passkey,niah_multivalue] [--out=DIR] [--workroot=DIR]
   python -m experiments.extension --hf_model=HF_DIR --data_files=GLOB --out=DIR  # a pretrained
       # decoder (its tokenizer.json; L = its max_position_embeddings); perplexity only
 
@@ -36,12 +36,11 @@ from experiments import extension_report, extrapolation, grid, pages, synthetic
 from roformer.data import synthetic as synthetic_data
 
 SCALINGS = ("linear", "ntk", "dynamic", "yarn", "llama3")
-EXTENSIONS = ("self_extend", "dca", "rerope", "string", "sinks")
+# Each method as its reference code runs it by default; dca_paper and rerope_clamp are the
+# variants the papers describe (roformer/posenc/extension.py).
+EXTENSIONS = ("self_extend", "dca", "dca_paper", "rerope", "rerope_clamp", "string", "sinks")
 METHODS = ("plain", *SCALINGS, *EXTENSIONS, "window")
 SINKS = 4  # StreamingLLM's attention sinks
-# DCA's local window is L / this. 16: ChunkLlama's code as released with the paper (2024-02-28 to
-# 2024-04-24), which the committed runs used; 8: its default since 2024-04-25.
-DCA_LOCAL_DIVISOR = 16
 
 
 def _task_scale(name: str, tasks: tuple[str, ...]) -> synthetic.Scale:
@@ -57,20 +56,21 @@ TASK_SCALES = {
 }
 
 
-def methods(L: int, longest: int, dca_local_divisor: int = DCA_LOCAL_DIVISOR) -> dict[str, dict]:
+def methods(L: int, longest: int) -> dict[str, dict]:
   """Each method's evaluation options (`evals.spec.spec_from_options`) for a model trained at
   length L evaluated up to `longest`, with the papers' settings in units of L:
 
   - scalings: factor = evaluated length / L at each length ("auto");
-  - self_extend (arXiv 2401.01325): neighbour window W = L/4, group G the smallest that keeps
-    every grouped distance inside the training length: floor((longest - 1) / G) + W -
-    floor(W / G) <= L - 1 (the paper's rule (L - W) G + W >= longest, with the floors of
-    `roformer.posenc.extension.self_extend`);
-  - dca (ChunkLlama, arXiv 2402.17463): the reference code's chunk_size = 3L/4 and local_window
-    = L/16 (as released with the paper; L / `dca_local_divisor` otherwise, 8 being its default
-    since 2024-04-25), i.e. chunks of s = 3L/4 - L/16 keys (its chunk_len) and w = L/16, so that
-    no query sits past 3L/4;
-  - rerope (Su 2023): distances clamped at L/8 (512 at L = 4096);
+  - self_extend (arXiv 2401.01325, LongLM's code): neighbour window W = L/4, group G the
+    smallest that keeps every grouped distance inside the training length: floor((longest - 1)
+    / G) + W - W / G <= L - 1 (the paper's rule (L - W) G + W >= longest, with the reference
+    code's positions);
+  - dca (ChunkLlama, arXiv 2402.17463): its code's defaults since 2024-04-25, chunk_size = 3L/4
+    and local_window = L/8, i.e. chunks of s = 3L/4 - L/8 keys (its chunk_len) and w = L/8, and
+    its cos/sin factor beyond L; dca_paper: local_window = L/16 as the code was released with
+    the paper (2024-02-28), no factor (which the code says the paper did not use);
+  - rerope (Su 2023): distances clamped at L/8 (512 at L = 4096) and queries times
+    max(1, ln(i + 1) / ln L) as `rerope_patch.py`; rerope_clamp: the clamp alone;
   - string (arXiv 2410.18745): shifted offset S = L/3, local value W = 128 (the paper's), at
     most L/16 (its value for its 2K-context models; 8 at L = 128);
   - sinks (arXiv 2309.17453): 4 sink tokens and the L - 4 most recent keys (a cache of L; at
@@ -78,34 +78,36 @@ def methods(L: int, longest: int, dca_local_divisor: int = DCA_LOCAL_DIVISOR) ->
   - window: the L most recent keys, no sinks (the sinks' control).
   """
   W = max(1, L // 4)
-  local = max(1, L // 16)
-  dca_local = max(1, L // dca_local_divisor)
-  string_local = min(128, local)
+  string_local = min(128, max(1, L // 16))
   group = 1
-  while (longest - 1) // group + W - W // group > L - 1:
+  while (longest - 1) // group + W - W / group > L - 1:
     group += 1
+
+  def dca(local_divisor: int) -> dict:
+    local = max(1, L // local_divisor)
+    return dict(chunk=max(2, 3 * L // 4 - local), local=local)
+
+  rerope = dict(window=max(1, L // 8))
   return {
     "plain": {},
     **{kind: dict(rope_scaling=kind, rope_factor="auto") for kind in SCALINGS},
     "self_extend": dict(extend="self_extend", extend_fields=dict(window=W, group=group)),
-    "dca": dict(
-      extend="dca", extend_fields=dict(chunk=max(2, 3 * L // 4 - dca_local), local=dca_local)
-    ),
-    "rerope": dict(extend="rerope", extend_fields=dict(window=max(1, L // 8))),
+    "dca": dict(extend="dca", extend_fields=dict(dca(8), train_len=L)),
+    "dca_paper": dict(extend="dca_paper", extend_fields=dca(16)),
+    "rerope": dict(extend="rerope", extend_fields=dict(rerope, train_len=L)),
+    "rerope_clamp": dict(extend="rerope_clamp", extend_fields=rerope),
     "string": dict(extend="string", extend_fields=dict(shift=max(2, L // 3), local=string_local)),
     "sinks": dict(extend="sinks", extend_fields=dict(sinks=SINKS, window=max(1, L - SINKS))),
     "window": dict(attention_window=L),
   }
 
 
-def perplexity_runs(
-  scale: extrapolation.Scale, only: set[str], dca_local_divisor: int = DCA_LOCAL_DIVISOR
-) -> list[grid.Run]:
+def perplexity_runs(scale: extrapolation.Scale, only: set[str]) -> list[grid.Run]:
   """The rope run (evaluated as trained) and one evaluation-only run per other method."""
   L = scale.seq_len
   lengths = [L * m for m in scale.multiples]
   curve = dict(lengths=lengths, protocol="nonoverlapping", max_tokens=scale.eval_tokens)
-  options = methods(L, lengths[-1], dca_local_divisor)
+  options = methods(L, lengths[-1])
   rope = {"posenc.kind": "rope", "train.num_train_steps": scale.steps}
   runs = [grid.Run("rope", "rope", rope, [grid.Eval("plain", curve)])]
   for name in METHODS[1:]:
@@ -120,15 +122,13 @@ def task_config(scale: synthetic.Scale, task: str):
   return synthetic.run_config(scale, task, "rope", False)
 
 
-def task_runs(
-  scale: synthetic.Scale, task: str, only: set[str], dca_local_divisor: int = DCA_LOCAL_DIVISOR
-) -> list[grid.Run]:
+def task_runs(scale: synthetic.Scale, task: str, only: set[str]) -> list[grid.Run]:
   """The task's rope run (scored as trained) and one evaluation-only run per other method."""
   config = task_config(scale, task)
   spec = synthetic.eval_spec(scale, task, False)
   longest = synthetic_data.example_length(task, max(spec["lengths"])) - 1
   scores = dict(task_lengths=spec["lengths"], task_examples=spec["examples"])
-  options = methods(config.data.seq_len, longest, dca_local_divisor)
+  options = methods(config.data.seq_len, longest)
   runs = [grid.Run(task, "rope", {}, [grid.Eval("plain", scores)])]
   for name in METHODS[1:]:
     if not only or name in only:
@@ -139,13 +139,10 @@ def task_runs(
 
 def every_record(out: pathlib.Path, args) -> tuple[list[dict], dict[str, list[dict]]]:
   """The finished records of the perplexity runs and of each task's runs, in grid order."""
-  divisor = args.dca_local_divisor
-  ppl = grid.finished_records(
-    perplexity_runs(extrapolation.SCALES[args.scale], set(), divisor), out
-  )
+  ppl = grid.finished_records(perplexity_runs(extrapolation.SCALES[args.scale], set()), out)
   tasks = {}
   for task in TASK_SCALES[args.scale].tasks:
-    runs = task_runs(TASK_SCALES[args.scale], task, set(), divisor)
+    runs = task_runs(TASK_SCALES[args.scale], task, set())
     tasks[task] = grid.finished_records(runs, out / "tasks")
   return ppl, tasks
 
@@ -176,7 +173,7 @@ def run_hf_model(args, out: pathlib.Path) -> None:
       flush=True,
     )
   lengths = [L * m for m in (1, 2, 4, 8, 16)]
-  options = methods(L, lengths[-1], args.dca_local_divisor)
+  options = methods(L, lengths[-1])
   chosen = [m for m in METHODS if not args.only_set or m in args.only_set]
   for i, name in enumerate(chosen, start=1):
     path = out / f"hf_{name}.json"
@@ -216,11 +213,6 @@ def main():
     parser.add_argument("--hf_model", default="", help="a Hugging Face decoder directory")
     parser.add_argument("--data_files", default=None, help="with --hf_model: the text to score")
     parser.add_argument("--max_tokens", type=int, default=None, help="with --hf_model (65,536)")
-    parser.add_argument(
-      "--dca_local_divisor", type=int, default=DCA_LOCAL_DIVISOR,
-      help="DCA's local window L / this: 16 as ChunkLlama's code released with the paper (the "
-      "committed runs), 8 as its default since 2024-04-25 (give another --out)",
-    )  # fmt: skip
 
   args, only, out, workroot = grid.parse_cli(
     __doc__, name="extension", scales=extrapolation.SCALES, encodings=METHODS,
@@ -228,12 +220,6 @@ def main():
   )  # fmt: skip
   args.only_set = only
   given = {a.split("=")[0] for a in sys.argv[1:] if a.startswith("--")}
-  if args.dca_local_divisor < 2:
-    raise SystemExit(f"--dca_local_divisor={args.dca_local_divisor} must be >= 2")
-  if args.dca_local_divisor != DCA_LOCAL_DIVISOR and "--out" not in given:
-    raise SystemExit(
-      "--dca_local_divisor other than 16 needs --out=DIR (results/ holds the runs made with 16)"
-    )
   if args.hf_model:
     if "--out" not in given:
       raise SystemExit("--hf_model needs --out=DIR (results/ holds the grid's committed runs)")
@@ -258,7 +244,7 @@ def main():
     extension_report.write_extension(ppl, tasks, out, seq_len=scale.seq_len, scale=args.scale)
     pages.refresh_page(out)
 
-  runs = perplexity_runs(scale, only, args.dca_local_divisor)
+  runs = perplexity_runs(scale, only)
   print(f"extension grid, scale {args.scale}, corpus {args.corpus} -> {out}")
   grid.run_grid(
     runs, base=scale.base, common=extrapolation.common_overrides(scale, args.corpus), out=out,
@@ -267,7 +253,7 @@ def main():
   for task in tasks:
     common = grid.flat_fields(task_config(task_scale, task))
     grid.run_grid(
-      task_runs(task_scale, task, only, args.dca_local_divisor), base="", common=common,
+      task_runs(task_scale, task, only), base="", common=common,
       out=out / "tasks",
       workroot=workroot / "tasks", report=write_report, adopt=args.adopt,
     )  # fmt: skip

@@ -24,7 +24,7 @@ from roformer.infra import workdir as workdir_lib
 from roformer.nn import config as nn_config
 from roformer.nn import model as model_lib
 from roformer.posenc import POSENCS
-from roformer.posenc.config import ContextExtension, RopeScaling
+from roformer.posenc.config import EXTENSION_FIELDS, ContextExtension, RopeScaling
 from roformer.posenc.rope_scaling import SCALING_KINDS
 
 
@@ -87,7 +87,7 @@ def eval_model_config(
     attention_window, window_kind: an attention window imposed at evaluation (0 = as trained),
       e.g. xPos's blockwise causal attention (window_kind "blockwise", window = seq_len).
     extension: a training-free context extension (`roformer.posenc.extension`); None keeps the
-      run's positions.
+      run's positions. Its train_len 0 becomes `seq_len`.
     query_scale: a parameter-free query temperature ("logn", "llama4") on every layer, with the
       training length as logn's L0 and llama4's floor_scale; "none" keeps the run's.
 
@@ -109,6 +109,8 @@ def eval_model_config(
     posenc = dataclasses.replace(posenc, scaling=scaling)
   if extension is not None:
     # The ModelConfig built below validates it (rotary encodings, causal softmax attention).
+    if "train_len" in EXTENSION_FIELDS[extension.kind] and not extension.train_len:
+      extension = dataclasses.replace(extension, train_len=seq_len)
     posenc = dataclasses.replace(posenc, extension=extension)
   if query_scale != "none":
     if posenc.query_scale != "none":

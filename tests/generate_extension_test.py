@@ -12,10 +12,14 @@ from roformer.posenc.config import ContextExtension
 
 # Small enough that every kind remaps distances within the 3 + 6 generated positions.
 EXTENSIONS = [
-  ContextExtension("self_extend", window=2, group=2),
-  ContextExtension("self_extend_longlm", window=3, group=2),  # fractional query positions
-  ContextExtension("dca", chunk=3, local=1),
-  ContextExtension("rerope", window=2),
+  ContextExtension("self_extend_floor", window=2, group=2),
+  ContextExtension("self_extend", window=3, group=2),  # fractional query positions
+  ContextExtension("dca_paper", chunk=3, local=1),
+  # dca's factor stays 1 up to train_len: one factor per sequence length, which a cached step
+  # cannot give the positions before it (roformer.posenc.extension.query_factor).
+  ContextExtension("dca", chunk=3, local=1, train_len=16),
+  ContextExtension("rerope_clamp", window=2),
+  ContextExtension("rerope", window=2, train_len=4),  # log-n from position 4 on
   ContextExtension("string", shift=3, local=1),
   ContextExtension("sinks", sinks=1, window=3),  # 4 slots for 9 positions: keys are evicted
   ContextExtension("sinks", sinks=2, window=2),

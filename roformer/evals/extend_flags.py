@@ -4,17 +4,21 @@ once. Imports no JAX, so the CLIs can define their flags before JAX starts."""
 from absl import flags
 
 # roformer.posenc.config.EXTENSION_KINDS (tests/evals/extend_flags_test.py keeps them equal).
-KINDS = ("none", "self_extend", "self_extend_longlm", "dca", "rerope", "string", "sinks")
+KINDS = (
+  "none", "self_extend", "self_extend_floor", "dca", "dca_paper", "rerope", "rerope_clamp",
+  "string", "sinks",
+)  # fmt: skip
 
 # --extend_<field>: the ContextExtension field each sets, with its meaning per kind.
 FIELDS = {
-  "window": "self_extend(_longlm): neighbour window W; rerope: clamp w; sinks: recent keys (query "
-  "too).",
-  "group": "self_extend(_longlm): group size G.",
-  "chunk": "dca: chunk length s.",
-  "local": "dca: local window w; string: local value W.",
+  "window": "self_extend(_floor): neighbour window W; rerope(_clamp): clamp w; sinks: recent keys "
+  "(query too).",
+  "group": "self_extend(_floor): group size G.",
+  "chunk": "dca(_paper): chunk length s.",
+  "local": "dca(_paper): local window w; string: local value W.",
   "shift": "string: shifted offset S.",
   "sinks": "sinks: first tokens every query keeps.",
+  "train_len": "dca, rerope: training length L of their query factor (0: the run's).",
 }
 NAMES = ("extend", *(f"extend_{field}" for field in FIELDS))
 

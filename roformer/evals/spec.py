@@ -262,8 +262,13 @@ def spec_from_options(
 
 
 def extension_suffix(extension: ContextExtension) -> str:
-  """`_<kind>` and the numbers it reads, e.g. `_self_extend_window512_group8`."""
-  numbers = "".join(f"_{f}{getattr(extension, f)}" for f in EXTENSION_FIELDS[extension.kind])
+  """`_<kind>` and the numbers it reads, e.g. `_self_extend_window512_group8` (train_len only
+  where given: 0 is the run's training length)."""
+  numbers = "".join(
+    f"_{f}{getattr(extension, f)}"
+    for f in EXTENSION_FIELDS[extension.kind]
+    if f != "train_len" or extension.train_len
+  )
   return f"_{extension.kind}{numbers}"
 
 

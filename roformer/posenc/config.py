@@ -105,20 +105,28 @@ class RopeScaling:
 
 
 # Training-free context extensions (roformer/posenc/extension.py); "none" leaves positions alone.
-EXTENSION_KINDS = ("none", "self_extend", "self_extend_longlm", "dca", "rerope", "string", "sinks")
+# Each method's plain name runs it as its reference code does by default; the suffixed kind is
+# the variant the paper ran or the code's other path.
+EXTENSION_KINDS = (
+  "none", "self_extend", "self_extend_floor", "dca", "dca_paper", "rerope", "rerope_clamp",
+  "string", "sinks",
+)  # fmt: skip
 
 
 # The ContextExtension fields each kind reads.
 EXTENSION_FIELDS = {
   "self_extend": ("window", "group"),
-  "self_extend_longlm": ("window", "group"),
-  "dca": ("chunk", "local"),
-  "rerope": ("window",),
+  "self_extend_floor": ("window", "group"),
+  "dca": ("chunk", "local", "train_len"),
+  "dca_paper": ("chunk", "local"),
+  "rerope": ("window", "train_len"),
+  "rerope_clamp": ("window",),
   "string": ("shift", "local"),
   "sinks": ("sinks", "window"),
 }
-# Read fields that may stay 0: DCA's local window, STRING's local value, the number of sinks.
-_MAY_BE_ZERO = ("local", "sinks")
+# Read fields that may stay 0: DCA's local window, STRING's local value, the number of sinks,
+# and the training length of dca's and rerope's query factor (0 = the run's, set at evaluation).
+_MAY_BE_ZERO = ("local", "sinks", "train_len")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,37 +135,44 @@ class ContextExtension:
   (query, key) pair is remapped at evaluation (`roformer.posenc.extension`).
 
   Which fields a kind reads (each must then be set; 0 means "not set"):
-    self_extend, self_extend_longlm: window (neighbour window W), group (group size G).
-    dca: chunk (chunk length s), local (local window w).
-    rerope: window (the clamp w).
+    self_extend, self_extend_floor: window (neighbour window W), group (group size G).
+    dca, dca_paper: chunk (chunk length s), local (local window w); dca also train_len.
+    rerope, rerope_clamp: window (the clamp w); rerope also train_len.
     string: shift (shifted offset S), local (local value W < S).
     sinks: sinks (first tokens kept), window (recent keys, the query included).
   """
 
   kind: str = param(
-    "none", "one of: none, self_extend, self_extend_longlm, dca, rerope, string, sinks"
+    "none",
+    "one of: none, self_extend, self_extend_floor, dca, dca_paper, rerope, rerope_clamp, string, "
+    "sinks",
   )
   window: int = param(
     0,
-    "self_extend(_longlm): neighbour window W; rerope: clamp w; sinks: recent keys (the query "
-    "included)",
+    "self_extend(_floor): neighbour window W; rerope(_clamp): clamp w; sinks: recent keys (the "
+    "query included)",
   )
   group: int = param(
-    0, "self_extend(_longlm): group size G (positions beyond the window are floor(pos / G))"
+    0, "self_extend(_floor): group size G (positions beyond the window are floor(pos / G))"
   )
-  chunk: int = param(0, "dca: chunk length s (intra-chunk positions are pos mod s)")
+  chunk: int = param(0, "dca(_paper): chunk length s (intra-chunk positions are pos mod s)")
   local: int = param(
-    0, "dca: local window w; string: local value W (shifted distances restart at W)"
+    0, "dca(_paper): local window w; string: local value W (shifted distances restart at W)"
   )
   shift: int = param(0, "string: shifted offset S (distances >= S become d - S + W)")
   sinks: int = param(
     0, "sinks: the first tokens every query keeps (StreamingLLM's attention sinks)"
   )
+  train_len: int = param(
+    0,
+    "dca, rerope: the training length L of their query factor (dca: (0.05 ln(n/L) + 1)^2 for a "
+    "sequence of n > L; rerope: max(1, ln(pos + 1) / ln L)); 0 = the run's data.seq_len",
+  )
 
   def __post_init__(self):
     if self.kind not in EXTENSION_KINDS:
       raise ValueError(f"posenc.extension.kind={self.kind!r} is not one of {EXTENSION_KINDS}")
-    for name in ("window", "group", "chunk", "local", "shift", "sinks"):
+    for name in ("window", "group", "chunk", "local", "shift", "sinks", "train_len"):
       if getattr(self, name) < 0:
         raise ValueError(f"posenc.extension.{name}={getattr(self, name)} must be >= 0")
     needs = [f for f in EXTENSION_FIELDS.get(self.kind, ()) if f not in _MAY_BE_ZERO]
@@ -167,6 +182,11 @@ class ContextExtension:
           f"posenc.extension.kind={self.kind!r} needs posenc.extension.{name} >= 1 "
           f"(eval.py --extend_{name})"
         )
+    if self.train_len == 1:
+      raise ValueError(
+        "posenc.extension.train_len=1: the training length of the query factor must be >= 2 "
+        "(its log is a divisor), or 0 for the run's"
+      )
     if self.kind == "string" and self.local >= self.shift:
       raise ValueError(
         f"posenc.extension.local={self.local} must be below posenc.extension.shift="

@@ -9,7 +9,8 @@ block once per piece with differently rotated queries and keys and merge the log
 before the online softmax, so memory stays linear in the context.
 
 Every function takes int positions qpos_BL, kpos_BS (per window, from 0) and returns a tuple of
-`Piece`. Legend: B batch, L queries, S keys.
+`Piece`. Two kinds also multiply the queries (`query_factor`): ReRoPE's released patch by log-n,
+ChunkLlama's current code by the square of its cos/sin factor. Legend: B batch, L queries, S keys.
 """
 
 from collections.abc import Callable
@@ -38,20 +39,20 @@ def self_extend(ext: ContextExtension, qpos_BL, kpos_BS) -> tuple[Piece, ...]:
   """Self-Extend (Jin et al. 2024, "LLM Maybe LongLM", arXiv 2401.01325).
 
   Keys within the neighbour window W (distance < W) keep their positions; farther keys take
-  grouped positions floor(j / G) and the query floor(i / G) + W - floor(W / G), so that the
-  grouped distance continues where the neighbour distances stop and every position stays an
-  integer (kind "self_extend"). LongLM's code (`self_extend_patch/Llama.py`,
-  group_query_position) divides truly: floor(i / G) + W - W / G, the same when G divides W and
-  otherwise W / G - floor(W / G) positions closer (0.45 at W = 32, G = 22); kind
-  "self_extend_longlm" takes that form, its query rotation positions then float32 (RoPE's angles
-  are float32 products anyway).
+  grouped positions floor(j / G) and the query floor(i / G) + W - W / G, so that the grouped
+  distance continues where the neighbour distances stop: kind "self_extend", as LongLM's code
+  computes a prompt (`self_extend_patch/Llama.py`, group_query_position, a true division), its
+  query rotation positions then float32 (RoPE's angles are float32 products anyway). The same
+  file's decoding path shifts by W - floor(W / G), which keeps every position an integer: kind
+  "self_extend_floor", W / G - floor(W / G) positions farther (0.45 at W = 32, G = 22) where G
+  does not divide W, the same where it does.
   """
   W, G = ext.window, ext.group
   near_BLS = _distance(qpos_BL, kpos_BS) < W
-  if ext.kind == "self_extend_longlm":
-    grouped_q_BL = (qpos_BL // G).astype(jnp.float32) + jnp.float32(W - W / G)
-  else:
+  if ext.kind == "self_extend_floor":
     grouped_q_BL = qpos_BL // G + W - W // G
+  else:
+    grouped_q_BL = (qpos_BL // G).astype(jnp.float32) + jnp.float32(W - W / G)
   return (
     Piece(qpos_BL, kpos_BS, near_BLS),
     Piece(grouped_q_BL, kpos_BS // G, ~near_BLS),
@@ -66,7 +67,12 @@ def dual_chunk(ext: ContextExtension, qpos_BL, kpos_BS) -> tuple[Piece, ...]:
   min(i mod s + s, s + w), so the first queries of a chunk keep exact distances to the
   previous chunk's tail, up to the local window w. Inter-chunk (earlier chunks): the query at
   min(2s - 1, s + w), the largest successive-chunk position (ChunkLlama's q_states_inter).
-  Keys of later chunks are left to the causal mask.
+  Keys of later chunks are left to the causal mask. ChunkLlama's chunk_size is s + w (its
+  chunk_len is s).
+
+  Kind "dca" also multiplies the logits of a sequence of n > L tokens by (0.05 ln(n / L) + 1)^2
+  (`query_factor`), as ChunkLlama's code has since 2024-03-19 (its cos and sin tables times
+  get_mscale(n / L), which it says the paper's results did not use); kind "dca_paper" does not.
   """
   s, w = ext.chunk, ext.local
   cq_BL1 = (qpos_BL // s)[:, :, None]
@@ -83,7 +89,9 @@ def dual_chunk(ext: ContextExtension, qpos_BL, kpos_BS) -> tuple[Piece, ...]:
 def rerope(ext: ContextExtension, qpos_BL, kpos_BS) -> tuple[Piece, ...]:
   """ReRoPE (Su 2023, "Rectified Rotary Position Embeddings"): distance min(i - j, w).
 
-  Keys beyond the window all sit at distance w: the query at w, the key at 0.
+  Keys beyond the window all sit at distance w: the query at w, the key at 0. Kind "rerope" also
+  multiplies each query by max(1, ln(i + 1) / ln L) (`query_factor`), as the released
+  `rerope_patch.py` does (training_length L); kind "rerope_clamp" is the clamp alone.
   """
   w = ext.window
   near_BLS = _distance(qpos_BL, kpos_BS) < w
@@ -134,9 +142,11 @@ def attention_sinks(ext: ContextExtension, qpos_BL, kpos_BS) -> tuple[Piece, ...
 
 EXTENSIONS: dict[str, Callable[..., tuple[Piece, ...]]] = {
   "self_extend": self_extend,
-  "self_extend_longlm": self_extend,
+  "self_extend_floor": self_extend,
   "dca": dual_chunk,
+  "dca_paper": dual_chunk,
   "rerope": rerope,
+  "rerope_clamp": rerope,
   "string": shifted,
   "sinks": attention_sinks,
 }
@@ -145,3 +155,33 @@ EXTENSIONS: dict[str, Callable[..., tuple[Piece, ...]]] = {
 def position_pieces(ext: ContextExtension, qpos_BL, kpos_BS) -> tuple[Piece, ...]:
   """The pieces of `ext` for a block of positions (int [B, L] and [B, S])."""
   return EXTENSIONS[ext.kind](ext, qpos_BL, kpos_BS)
+
+
+# ChunkLlama's get_mscale: its cos and sin tables are multiplied by 0.05 ln(n / L) + 1.
+DCA_MSCALE = 0.05
+
+
+def query_factor(ext: ContextExtension, qpos_BL: jax.Array) -> jax.Array | None:
+  """float32 [B, L] factor of each query under `ext`, or None for kinds that change positions
+  only. Needs `ext.train_len` (the evaluation sets it to the run's training length).
+
+  - rerope: max(1, ln(i + 1) / ln L) at position i (bojone's `rerope_patch.py`).
+  - dca: (0.05 ln(n / L) + 1)^2 for a sequence of n > L tokens, else 1: ChunkLlama scales both
+    the queries' and the keys' cos and sin by 0.05 ln(n / L) + 1, so every logit takes its square.
+    n is the row's last position + 1: a prompt's length (ChunkLlama's kv_seq_len), at a decoding
+    step the length so far (ChunkLlama's cached keys keep the factor of the step that rotated
+    them).
+  """
+  if ext.kind not in ("rerope", "dca"):
+    return None
+  if ext.train_len < 2:
+    raise ValueError(
+      f"posenc.extension.kind={ext.kind!r} needs posenc.extension.train_len >= 2 (the training "
+      "length of its query factor; eval.py sets the run's)"
+    )
+  log_L = jnp.log(jnp.float32(ext.train_len))
+  if ext.kind == "rerope":
+    return jnp.maximum(1.0, jnp.log(qpos_BL.astype(jnp.float32) + 1.0) / log_L)
+  n_B1 = jnp.max(qpos_BL, axis=1, keepdims=True).astype(jnp.float32) + 1.0
+  mscale_B1 = 1.0 + DCA_MSCALE * jnp.maximum(0.0, jnp.log(n_B1) - log_L)
+  return jnp.broadcast_to(mscale_B1**2, qpos_BL.shape)

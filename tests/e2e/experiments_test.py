@@ -296,15 +296,16 @@ def test_extension_grid_scores_each_method_by_perplexity_and_task_and_resumes(tm
     assert (out / name).stat().st_size > 0, name
   dca = json.loads((out / "rope_dca.json").read_text())
   assert dca["eval_of"] == "rope" and dca["train_seconds"] == 0.0
-  # Training length 16: DCA's local window L/16 = 1 and chunks of 3L/4 - L/16 = 11.
-  assert dca["evaluations"][0]["result"]["context_extension"]["chunk"] == 11
+  # Training length 16: DCA's local window L/8 = 2, chunks of 3L/4 - L/8 = 10, its factor's L.
+  extension = dca["evaluations"][0]["result"]["context_extension"]
+  assert (extension["chunk"], extension["local"], extension["train_len"]) == (10, 2, 16)
   with (out / "tasks.csv").open() as f:
     rows = list(csv.DictReader(f))
   assert {r["method"] for r in rows} == {"plain"} | names
   task_sinks = json.loads((out / "tasks" / "passkey_sinks.json").read_text())
   assert task_sinks["evaluations"][0]["result"]["context_extension"]["kind"] == "sinks"
   table = (out / "table.md").read_text()
-  assert "| dca | chunk 11, local 1 |" in table and "## passkey: exact match" in table
+  assert "| dca | chunk 10, local 2, train_len 16 |" in table and "## passkey: exact match" in table
   rerun = _run("extension", out, workroot, *only)
   assert rerun.returncode == 0, rerun.stderr[-3000:]
   assert rerun.stdout.count("done (skipped)") == 10
@@ -359,22 +360,29 @@ def test_extension_settings_keep_every_method_inside_the_training_length():
     options = extension.methods(L, longest)
     fields = options["self_extend"]["extend_fields"]
     W, G = fields["window"], fields["group"]
-    farthest = [(longest - 1) // g + W - W // g for g in (G, max(1, G - 1))]  # grouped distance
+    farthest = [(longest - 1) // g + W - W / g for g in (G, max(1, G - 1))]  # grouped distance
     assert farthest[0] <= L - 1 and (G == 1 or farthest[1] > L - 1), (L, longest, G)
-    dca = options["dca"]["extend_fields"]
-    assert dca["chunk"] + dca["local"] <= 3 * L // 4  # no query sits past 3L/4
+    for kind in ("dca", "dca_paper"):
+      dca = options[kind]["extend_fields"]
+      assert dca["chunk"] + dca["local"] <= 3 * L // 4  # no query sits past 3L/4
     assert options["sinks"]["extend_fields"]["window"] + extension.SINKS == max(L, 5)
     for kwargs in options.values():  # every one a valid evaluation
       spec.spec_from_options(lengths=[L], **kwargs)
 
 
-def test_extension_dca_window_is_l_over_16_by_default_and_l_over_8_on_request():
+def test_extension_methods_run_dca_and_rerope_as_their_reference_code_and_as_the_papers():
   from experiments import extension
 
-  # ChunkLlama's code as released with the paper (the committed runs) and its later default.
-  assert extension.methods(128, 2048)["dca"]["extend_fields"] == dict(chunk=88, local=8)
-  assert extension.methods(128, 2048, 8)["dca"]["extend_fields"] == dict(chunk=80, local=16)
-  assert extension.methods(4096, 65536, 8)["dca"]["extend_fields"] == dict(chunk=2560, local=512)
+  # ChunkLlama's code since 2024-04-25 (local_window L/8, its factor against L) and as released
+  # with the paper (L/16, no factor); ReRoPE's patch (log-n against L) and the clamp alone.
+  options = extension.methods(128, 2048)
+  assert options["dca"] == dict(extend="dca", extend_fields=dict(chunk=80, local=16, train_len=128))
+  assert options["dca_paper"]["extend_fields"] == dict(chunk=88, local=8)
+  assert extension.methods(4096, 65536)["dca"]["extend_fields"]["chunk"] == 2560
+  assert options["rerope"]["extend_fields"] == dict(window=16, train_len=128)
+  assert options["rerope_clamp"] == dict(extend="rerope_clamp", extend_fields=dict(window=16))
+  # Self-Extend at L = 128 to 2048: W = 32; G = 22 keeps 2047 // 22 + 32 - 32/22 = 123.5 < 127.
+  assert options["self_extend"]["extend_fields"] == dict(window=32, group=22)
 
 
 def test_the_presets_and_the_extrapolation_grid_take_their_arms_from_configs_arms():

@@ -24,6 +24,7 @@ from roformer.nn.attention.qk_norm import l2_norm, qk_norm_layers
 from roformer.nn.attention.sinks import sink_param
 from roformer.nn.layers import DTYPES, shared_input_dense, tokens
 from roformer.posenc import POSENCS, QueryScale
+from roformer.posenc.extension import query_factor as extension_query_factor
 
 if TYPE_CHECKING:
   from roformer.nn.layer_spec import LayerSpec
@@ -133,6 +134,8 @@ class Attention(nnx.Module):
       if spec.posenc.query_scale == "none"
       else QueryScale(spec.posenc, num_heads=H, param_dtype=param_dtype, rngs=rngs)
     )
+    # A context extension's own query factor (ReRoPE's log-n, DCA's cos/sin factor squared).
+    self.extension = spec.posenc.extension
     # Logit terms of the call (sinks.py, forget_gate.py): a sink logit per head; FoX's gate.
     self.sinks = sink_param(H, param_dtype, rngs) if cfg.attention_sinks else None
     self.forget_gate = (
@@ -282,7 +285,8 @@ class Attention(nnx.Module):
     """Queries and keys as the kernels see them: QK-norm "rmsnorm" (per head, as Qwen3 and
     Gemma 3) or "rmsnorm_whole" (over the whole projection, as OLMo 2), both before rotation, the
     encoding's rotation, QK-norm "l2" (after it, as Llama 4), then the query temperature (after
-    both, as Llama 4). Keys leave here as the cache stores them.
+    both, as Llama 4), then a context extension's query factor. Keys leave here as the cache
+    stores them.
 
     With `rotate=False` (piecewise positions, whose kernels rotate per piece) the rest still
     applies unchanged: the l2 norm and the temperature commute with a rotation."""
@@ -294,4 +298,7 @@ class Attention(nnx.Module):
       q_BLHK, k_BLGK = l2_norm(q_BLHK, self.norm_eps), l2_norm(k_BLGK, self.norm_eps)
     if self.query_scale is not None:
       q_BLHK = self.query_scale(q_BLHK, pos_BL)
+    t_BL = extension_query_factor(self.extension, pos_BL)
+    if t_BL is not None:
+      q_BLHK = (q_BLHK.astype(jnp.float32) * t_BL[:, :, None, None]).astype(q_BLHK.dtype)
     return q_BLHK, k_BLGK

@@ -20,10 +20,10 @@ BLOCK = 8
 BASE = 10000.0
 
 EXTENSIONS = [
-  ContextExtension("self_extend", window=4, group=3),
-  ContextExtension("self_extend_longlm", window=5, group=3),  # fractional query positions
-  ContextExtension("dca", chunk=6, local=2),
-  ContextExtension("rerope", window=5),
+  ContextExtension("self_extend_floor", window=4, group=3),
+  ContextExtension("self_extend", window=5, group=3),  # fractional query positions
+  ContextExtension("dca_paper", chunk=6, local=2),
+  ContextExtension("rerope_clamp", window=5),
   ContextExtension("string", shift=9, local=3),
   ContextExtension("sinks", sinks=2, window=6),
 ]
@@ -187,21 +187,47 @@ def test_attention_layer_with_extension_equals_kernel_on_unrotated_qk(impl):
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
 
 
-def test_rerope_with_the_logn_query_scale_is_the_released_patch():
-  # bojone/rerope's rerope_patch.py multiplies queries by max(1, log(pos + 1) / log(L0)), L0 its
-  # training_length, before the rectified attention: `--extend=rerope --query_scale=logn`.
-  ext, L0 = ContextExtension("rerope", window=5), 8
-  posenc_cfg = PosEncConfig(kind="rope", extension=ext, query_scale="logn", query_scale_len=L0)
+def _layer_with(ext, seed):
+  posenc_cfg = PosEncConfig(kind="rope", extension=ext)
   with nnx.use_eager_sharding(False):
-    layer = testing.attention_layer(
-      emb_dim=H * K, num_heads=H, head_dim=K, num_kv_heads=G, posenc=posenc_cfg, seed=2
+    return testing.attention_layer(
+      emb_dim=H * K, num_heads=H, head_dim=K, num_kv_heads=G, posenc=posenc_cfg, seed=seed
     )
+
+
+def test_rerope_is_the_released_patch_with_its_log_n_queries():
+  # bojone/rerope's rerope_patch.py multiplies queries by max(1, log(pos + 1) / log(L0)), L0 its
+  # training_length, before the rectified attention.
+  ext, L0 = ContextExtension("rerope", window=5, train_len=8), 8
+  layer = _layer_with(ext, seed=2)
   x, pos = _normal((B, L, H * K), 16), _positions()
   got, _ = layer(x, pos, _posenc(ext))
   q, k, v = layer.qkv(x)
   logn_BL = np.maximum(1.0, np.log(np.asarray(pos) + 1.0) / np.log(L0))
   want = _reference(ext, np.asarray(q) * logn_BL[:, :, None, None] / np.sqrt(K), k, v, pos)
   np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
-  # Negative control: ReRoPE without the patch's scaling (the --extend=rerope default).
-  unscaled = _reference(ext, np.asarray(q) / np.sqrt(K), k, v, pos)
-  assert np.abs(unscaled - want).max() > 1e-3
+  # Negative control: the clamp alone, without the patch's scaling.
+  clamp = ContextExtension("rerope_clamp", window=5)
+  unscaled, _ = _layer_with(clamp, seed=2)(x, pos, _posenc(clamp))
+  np.testing.assert_allclose(
+    np.asarray(unscaled), _reference(ext, np.asarray(q) / np.sqrt(K), k, v, pos), atol=1e-5
+  )
+  assert np.abs(np.asarray(unscaled) - want).max() > 1e-3
+
+
+def test_dca_scales_every_logit_by_chunkllama_mscale_squared():
+  # ChunkLlama's cos and sin times 0.05 ln(n / L0) + 1 for queries and keys: each row's logits
+  # times its square, n the row's length (29 and 32 keys here: positions 0..28 and 3..31).
+  ext, L0 = ContextExtension("dca", chunk=6, local=2, train_len=8), 8
+  layer = _layer_with(ext, seed=3)
+  x, pos = _normal((B, L, H * K), 17), _positions()
+  got, _ = layer(x, pos, _posenc(ext))
+  q, k, v = layer.qkv(x)
+  n_B = np.asarray(pos).max(axis=1) + 1.0
+  m2_B = (0.05 * np.log(n_B / L0) + 1.0) ** 2
+  want = _reference(ext, np.asarray(q) * m2_B[:, None, None, None] / np.sqrt(K), k, v, pos)
+  np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
+  # Negative control: the paper's DCA, the same pieces without the factor.
+  paper = ContextExtension("dca_paper", chunk=6, local=2)
+  plain, _ = _layer_with(paper, seed=3)(x, pos, _posenc(paper))
+  assert np.abs(np.asarray(plain) - want).max() > 1e-3
