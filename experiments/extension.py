@@ -32,7 +32,7 @@ import json
 import pathlib
 import sys
 
-from experiments import extension_report, extrapolation, grid, pages, synthetic
+from experiments import extension_report, extrapolation, grid, pages, seeds, synthetic
 from roformer.data import synthetic as synthetic_data
 
 SCALINGS = ("linear", "ntk", "dynamic", "yarn", "llama3")
@@ -223,7 +223,7 @@ def main():
   if args.hf_model:
     if "--out" not in given:
       raise SystemExit("--hf_model needs --out=DIR (results/ holds the grid's committed runs)")
-    foreign = sorted(given & {"--tasks", "--scale", "--corpus", "--workroot", "--adopt"})
+    foreign = sorted(given & {"--tasks", "--scale", "--corpus", "--workroot", "--adopt", "--seeds"})
     if foreign:
       raise SystemExit(f"{', '.join(foreign)}: not read with --hf_model (perplexity on its text)")
     args.max_tokens = 65_536 if args.max_tokens is None else args.max_tokens
@@ -247,13 +247,14 @@ def main():
   runs = perplexity_runs(scale, only)
   print(f"extension grid, scale {args.scale}, corpus {args.corpus} -> {out}")
   grid.run_grid(
-    runs, base=scale.base, common=extrapolation.common_overrides(scale, args.corpus), out=out,
-    workroot=workroot, report=write_report, adopt=args.adopt,
+    seeds.replicate(runs, args.seeds), base=scale.base,
+    common=extrapolation.common_overrides(scale, args.corpus), out=out, workroot=workroot,
+    report=write_report, adopt=args.adopt,
   )  # fmt: skip
   for task in tasks:
     common = grid.flat_fields(task_config(task_scale, task))
     grid.run_grid(
-      task_runs(task_scale, task, only), base="", common=common,
+      seeds.replicate(task_runs(task_scale, task, only), args.seeds), base="", common=common,
       out=out / "tasks",
       workroot=workroot / "tasks", report=write_report, adopt=args.adopt,
     )  # fmt: skip

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pathlib
 from collections.abc import Sequence
 
-from experiments import grid, report
+from experiments import grid, report, seeds
 from roformer.evals import plots, task_plots
 from roformer.posenc.config import EXTENSION_FIELDS
 
@@ -98,9 +98,12 @@ def write_extension(
   draw: bool = True,
 ) -> None:
   """results.csv, tasks.csv, table.md, and unless not `draw` perplexity.png and <task>.png of the
-  extension grid (`subject` names what was evaluated in the heading; default "<scale> scale")."""
+  extension grid (`subject` names what was evaluated in the heading; default "<scale> scale";
+  seed replicates: in the CSVs and their own tables)."""
+  every_row = grid.csv_rows(records)
+  grid.write_csv(every_row, out / "results.csv")
+  records = seeds.seed_zero(records)
   rows = grid.csv_rows(records)
-  grid.write_csv(rows, out / "results.csv")
   subject = subject or f"{scale} scale"
   lines = [f"# Training-free context extension ({subject}, training length {seq_len})", ""]
   lines += [
@@ -113,12 +116,15 @@ def write_extension(
   ]
   if records:
     lines += _perplexity_table(records, rows, seq_len)
-  all_task_rows = []
+  all_task_rows, seed_tables = [], []
   for task, task_recs in task_records.items():
     if task_recs:
       trows = task_rows(task, task_recs)
       all_task_rows += trows
-      lines += ["", *_task_table(task, task_recs, trows)]
+      task_recs = seeds.seed_zero(task_recs)
+      lines += ["", *_task_table(task, task_recs, task_rows(task, task_recs))]
+      em = seeds.summary(trows, value="exact_match")
+      seed_tables.append((f"{task}, exact match", em))
       runs = [(ev["scaling"], ev["result"]) for _, ev in _evaluations(task_recs)]
       if draw:
         task_plots.plot_task_runs(
@@ -126,6 +132,8 @@ def write_extension(
         )
   if all_task_rows:
     grid.write_csv(all_task_rows, out / "tasks.csv", TASK_COLUMNS)
+  ppl = seeds.summary(every_row, value="ppl", where=dict(protocol="nonoverlapping"))
+  lines += seeds.section([("perplexity, non-overlapping", ppl), *seed_tables])
   (out / "table.md").write_text("\n".join(lines) + "\n")
   curves = [
     (ev["scaling"], report._protocol_only(ev["result"], "nonoverlapping"), seq_len)

@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 
 from configs import arms
-from experiments import grid, pages, report
+from experiments import grid, pages, report, seeds
 
 ENCODINGS = ("sinusoidal", "learned", "rope", "alibi", "nope", "t5", "xpos")
 SCALINGS = ("linear", "ntk", "dynamic", "yarn", "llama3")
@@ -272,7 +272,7 @@ def main():
     pages.refresh_page(out)
 
   grid.run_grid(
-    runs,
+    seeds.replicate(runs, args.seeds),
     base=scale.base,
     common=common,
     out=out,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import glob
 import hashlib
 import json
 import pathlib
@@ -27,7 +28,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from configs import default
-from experiments import progress
+from experiments import progress, seeds
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -104,8 +105,8 @@ def default_workroot(name: str, out: pathlib.Path) -> pathlib.Path:
 
 
 def parse_cli(doc: str, *, name: str, scales, encodings: Sequence[str], extra_args=None):
-  """The drivers' command line: --scale, --corpus, --only, --out, --workroot, --adopt, and the
-  driver's own arguments, which `extra_args(parser)` adds.
+  """The drivers' command line: --scale, --corpus, --only, --out, --workroot, --adopt, --seeds
+  (args.seeds, a count), and the driver's own arguments, which `extra_args(parser)` adds.
 
   Returns:
     (args, the set of encodings to run (empty = all), OUT, the root of the run workdirs).
@@ -123,9 +124,16 @@ def parse_cli(doc: str, *, name: str, scales, encodings: Sequence[str], extra_ar
     action="store_true",
     help="record today's settings in run JSONs written before runs recorded them",
   )
+  parser.add_argument(
+    "--seeds", default="1", help="seeds per run: replicate k of a run is <run>-seed<k> (seeds.py)"
+  )
   if extra_args is not None:
     extra_args(parser)
   args = parser.parse_args()
+  try:
+    args.seeds = seeds.parse_count(args.seeds)
+  except ValueError as e:
+    parser.error(str(e))
   only = {x for x in args.only.split(",") if x}
   unknown = only - set(encodings)
   if unknown:
@@ -415,9 +423,15 @@ def _run_grid(runs, base, common, out, workroot, report, adopt) -> list[dict]:
 def finished_records(runs: Sequence[Run], out: pathlib.Path) -> list[dict]:
   """The records (OUT/<run>.json) of every run in `runs` that has one, in grid order.
 
-  Reports are drawn from these, so that a grid run piecewise with --only reports all of them.
+  Reports are drawn from these, so that a grid run piecewise with --only reports all of them,
+  and a run's seed replicates (`<run>-seed<k>.json`) come with it.
   """
-  paths = [out / f"{run.name}.json" for run in runs]
+  paths = []
+  for run in runs:  # each run, then its seed replicates (seeds.py) in seed order
+    paths.append(out / f"{run.name}.json")
+    replicates = out.glob(f"{glob.escape(run.name)}{seeds.SEPARATOR}*.json")
+    named = [(seeds.split_name(p.stem), p) for p in replicates]
+    paths += [p for (name, k), p in sorted(named) if name == run.name and k > 0]
   return [json.loads(path.read_text()) for path in paths if path.exists()]
 
 

@@ -16,7 +16,7 @@ table.md. Finished runs are skipped, so a killed grid resumes.
 
 from __future__ import annotations
 
-from experiments import grid, pages, report
+from experiments import grid, pages, report, seeds
 
 ENCODINGS = ("learned", "rope", "sinusoidal", "t5", "alibi", "nope")
 
@@ -110,7 +110,7 @@ def main():
     pages.refresh_page(out)
 
   grid.run_grid(
-    runs,
+    seeds.replicate(runs, args.seeds),
     base=scale["base"],
     common=common,
     out=out,

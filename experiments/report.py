@@ -11,7 +11,7 @@ import pathlib
 import re
 from collections.abc import Sequence
 
-from experiments import grid
+from experiments import grid, seeds
 from roformer.evals import plots
 from roformer.evals.effective_length import EffectiveRule, perplexity_effective_lengths
 
@@ -78,9 +78,11 @@ def write_extrapolation(
   records: Sequence[dict], out: pathlib.Path, *, seq_len: int, scale: str, draw: bool = True
 ):
   """results.csv, table.md, and unless not `draw` the plots encodings.png, scalings.png and
-  frontier.png of the extrapolation grid."""
+  frontier.png of the extrapolation grid (seed replicates: in results.csv and their own table)."""
+  every_row = grid.csv_rows(records)
+  grid.write_csv(every_row, out / "results.csv")
+  records = seeds.seed_zero(records)
   rows = grid.csv_rows(records)
-  grid.write_csv(rows, out / "results.csv")
   lengths = sorted({int(r["length"]) for r in rows})
   full = [r for r in records if r.get("budget") == "full" and "evaluations" in r]
   lines = [f"# Length extrapolation ({scale} scale, training length {seq_len})", ""]
@@ -143,7 +145,10 @@ def write_extrapolation(
     lines.append(f"| {enc} | {_fmt(short)} | {_fmt(ratio_s)} | {_fmt(long)} | {_fmt(ratio_l)} |")
   lines += _frontier_table(records, rows, lengths)
   lines += _seed_table(records, rows, seq_len)
-  lines += ["", "## Wall time", ""] + _wall_table(records) + [""]
+  lines += ["", "## Wall time", ""] + _wall_table(records)
+  nonoverlapping = dict(protocol="nonoverlapping")
+  ppl = seeds.summary(every_row, value="ppl", where=nonoverlapping)
+  lines += seeds.section([("perplexity, non-overlapping", ppl)]) + [""]
   (out / "table.md").write_text("\n".join(lines))
   if not draw:
     return
@@ -277,6 +282,7 @@ def write_mlm(
         rows.append(row)
   columns = ("run", "encoding", "length", "protocol", "loss", "accuracy", "tokens", "skipped")
   grid.write_csv(rows, out / "results.csv", columns)
+  every_row, records = rows, seeds.seed_zero(records)  # replicates: their own table below
   lengths = sorted({int(r["length"]) for r in rows})
   lines = [f"# Masked-LM comparison ({scale} scale, training length {seq_len})", ""]
   lines += ["Masked-token loss (nats) / accuracy, non-overlapping windows.", ""]
@@ -295,7 +301,14 @@ def write_mlm(
         cells.append(f"{float(row['loss']):.3f} / {float(row['accuracy']):.3f}")
     lines.append(f"| {record['run']} | " + " | ".join(cells) + " |")
   lines += _mlm_curve_table(records)
-  lines += ["", "## Wall time", ""] + _wall_table(records) + [""]
+  lines += ["", "## Wall time", ""] + _wall_table(records)
+  nonoverlapping = dict(protocol="nonoverlapping")
+  lines += seeds.section(
+    [
+      ("masked-token accuracy", seeds.summary(every_row, value="accuracy", where=nonoverlapping)),
+      ("masked-token loss (nats)", seeds.summary(every_row, value="loss", where=nonoverlapping)),
+    ]
+  ) + [""]
   (out / "table.md").write_text("\n".join(lines))
   if not draw:
     return

@@ -29,7 +29,7 @@ import time
 from absl import app, flags, logging
 
 from configs import arms, default
-from experiments import grid, progress
+from experiments import grid, progress, seeds
 
 FLAGS = flags.FLAGS
 
@@ -67,6 +67,13 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
     "adopt",
     False,
     "Record today's settings in run JSONs written before runs recorded them.",
+    flag_values=flag_values,
+  )
+  flags.DEFINE_integer(
+    "seeds",
+    1,
+    "Seeds per run: replicate k of a run is <run>-seed<k>, train.seed k (experiments/seeds.py).",
+    lower_bound=1,
     flag_values=flag_values,
   )
 
@@ -164,8 +171,9 @@ SCALES = {
 }
 
 
-def run_name(task: str, encoding: str, randomized: bool) -> str:
-  return f"{task}/{encoding}" + ("+randomized" if randomized else "")
+def run_name(task: str, encoding: str, randomized: bool, seed: int = 0) -> str:
+  """`task/encoding[+randomized]`, and `-seed<k>` for seed replicate k (experiments/seeds.py)."""
+  return seeds.replicate_name(f"{task}/{encoding}" + ("+randomized" if randomized else ""), seed)
 
 
 def file_stem(name: str) -> str:
@@ -202,8 +210,11 @@ def grid_runs(scale: Scale) -> list[tuple[str, str, bool]]:
   return runs
 
 
-def make_config(scale: Scale, task: str, encoding: str, randomized: bool, seq_len_8x: int):
-  """The run's ConfigDict: configs/default.py with the scale's model and the task's lengths."""
+def make_config(
+  scale: Scale, task: str, encoding: str, randomized: bool, seq_len_8x: int, seed: int = 0
+):
+  """The run's ConfigDict: configs/default.py with the scale's model and the task's lengths;
+  train.seed `seed` (0: the committed runs)."""
   from roformer.data import synthetic
 
   lo, hi = scale.tasks[task]
@@ -232,6 +243,7 @@ def make_config(scale: Scale, task: str, encoding: str, randomized: bool, seq_le
   config.train.eval_every_steps = 0
   config.train.eval_max_tokens = 0
   config.train.checkpoint_every_steps = 0
+  config.train.seed = seed
   return config
 
 
@@ -252,66 +264,72 @@ def eval_spec(scale: Scale, task: str, randomized: bool, encoding: str = "") -> 
   return spec
 
 
-def run_config(scale: Scale, task: str, encoding: str, randomized: bool, workroot=None):
+def run_config(
+  scale: Scale, task: str, encoding: str, randomized: bool, workroot=None, seed: int = 0
+):
   """The run's ConfigDict (its learned table and randomized range reach 8x the training lengths).
 
   An evaluation arm's is the run it scores; a recalibration's starts from the workdir its
-  run has under `workroot` (required for those).
+  run (of the same seed) has under `workroot` (required for those).
   """
   from roformer.data import synthetic
 
   if encoding in EVALUATIONS:
-    return run_config(scale, task, EVALUATIONS[encoding][0], randomized, workroot)
+    return run_config(scale, task, EVALUATIONS[encoding][0], randomized, workroot, seed)
   if encoding in RECALIBRATIONS:
     parent = RECALIBRATIONS[encoding][0]
-    config = run_config(scale, task, parent, randomized, workroot)
+    config = run_config(scale, task, parent, randomized, workroot, seed)
     _apply_arm(config, encoding)  # its posenc.kind
     steps = max(1, round(scale.train["num_train_steps"] * RECALIBRATION_FRACTION))
     config.train.num_train_steps = steps
     config.optim.warmup_steps = max(1, steps // 10)
     config.train.log_every_steps = max(1, steps // 5)
-    config.train.init_from = str(parent_workdir(scale, task, encoding, workroot))
+    config.train.init_from = str(parent_workdir(scale, task, encoding, workroot, seed))
     return config
   lengths = eval_spec(scale, task, randomized)["lengths"]
   seq_len_8x = synthetic.example_length(task, max(lengths)) - 1
-  return make_config(scale, task, encoding, randomized, seq_len_8x)
+  return make_config(scale, task, encoding, randomized, seq_len_8x, seed)
 
 
-def run_settings(scale: Scale, task: str, encoding: str, randomized: bool, workroot) -> dict:
+def run_settings(
+  scale: Scale, task: str, encoding: str, randomized: bool, workroot, seed: int = 0
+) -> dict:
   """The settings a run's JSON records (`grid.run_settings`; paths relative to `workroot`)."""
   return grid.run_settings(
-    run_config(scale, task, encoding, randomized, workroot),
+    run_config(scale, task, encoding, randomized, workroot, seed),
     eval_spec(scale, task, randomized, encoding),
     workroot=pathlib.Path(workroot),
   )
 
 
-def run_workdir(scale: Scale, task: str, encoding: str, randomized: bool, workroot):
+def run_workdir(scale: Scale, task: str, encoding: str, randomized: bool, workroot, seed: int = 0):
   """Where a run trains under `workroot` (an evaluation arm: the run it scores)."""
   if encoding in EVALUATIONS:
-    return parent_workdir(scale, task, encoding, workroot)
-  settings = run_settings(scale, task, encoding, randomized, workroot)
-  name = file_stem(run_name(task, encoding, randomized))
+    return parent_workdir(scale, task, encoding, workroot, seed)
+  settings = run_settings(scale, task, encoding, randomized, workroot, seed)
+  name = file_stem(run_name(task, encoding, randomized, seed))
   return pathlib.Path(workroot) / grid.workdir_name(name, settings)
 
 
-def parent_workdir(scale: Scale, task: str, encoding: str, workroot) -> pathlib.Path:
+def parent_workdir(scale: Scale, task: str, encoding: str, workroot, seed: int = 0) -> pathlib.Path:
   if workroot is None:
     raise ValueError(f"{encoding} starts from another run: give the grid's workroot")
-  return run_workdir(scale, task, DERIVED[encoding][0], False, workroot)
+  return run_workdir(scale, task, DERIVED[encoding][0], False, workroot, seed)
 
 
-def restore_parent(scale: Scale, task: str, encoding: str, workroot, out: pathlib.Path) -> None:
+def restore_parent(
+  scale: Scale, task: str, encoding: str, workroot, out: pathlib.Path, seed: int = 0
+) -> None:
   """Retrains the run a derived arm starts from if its workdir has no final checkpoint (workdirs
   live in a per-machine cache; the committed results hold no checkpoints)."""
   parent = DERIVED[encoding][0]
   if parent in DERIVED:
-    restore_parent(scale, task, parent, workroot, out)
-  name = run_name(task, parent, False)
+    restore_parent(scale, task, parent, workroot, out, seed)
+  name = run_name(task, parent, False, seed)
   grid.restore_run(
     name,
-    run_config(scale, task, parent, False, workroot),
-    parent_workdir(scale, task, encoding, workroot),
+    run_config(scale, task, parent, False, workroot, seed),
+    parent_workdir(scale, task, encoding, workroot, seed),
     out / (file_stem(name) + ".json"),
   )
 
@@ -347,15 +365,18 @@ def score(workdir, spec: dict) -> dict:
   return result
 
 
-def run_one(scale: Scale, task: str, encoding: str, randomized: bool, config, workdir) -> dict:
+def run_one(
+  scale: Scale, task: str, encoding: str, randomized: bool, config, workdir, seed: int = 0
+) -> dict:
   spec = eval_spec(scale, task, randomized, encoding)
+  name = run_name(task, encoding, randomized, seed)
   start = time.perf_counter()
   if encoding not in EVALUATIONS:  # those score the run they start from as it is
-    grid.train_to_end(run_name(task, encoding, randomized), config, pathlib.Path(workdir))
+    grid.train_to_end(name, config, pathlib.Path(workdir))
   train_seconds = time.perf_counter() - start
   result = score(workdir, spec)
   return {
-    "run": run_name(task, encoding, randomized),
+    "run": name,
     "encoding": encoding,
     "randomized": randomized,
     "embed_scale": config.model.embed_scale,
@@ -373,21 +394,24 @@ def grid_order(result: dict) -> tuple:
 
 
 def write_summaries(out: str, results: list[dict], draw: bool = True) -> None:
-  """results.csv, table.md and (unless not `draw`) the PNGs of each task from every run's JSON."""
+  """results.csv, table.md and (unless not `draw`) the PNGs of each task from every run's JSON
+  (seed replicates: in results.csv, with their seed, and in tables of their own)."""
   from roformer.evals import task_plots
   from roformer.evals.effective_length import EffectiveRule, task_effective_lengths
 
   with open(os.path.join(out, "results.csv"), "w", newline="") as f:
     writer = csv.writer(f)
     writer.writerow(
-      ["task", "encoding", "randomized", "length", "exact_match", "token_accuracy", "skipped"]
-    )
+      ["task", "encoding", "randomized", "length", "exact_match", "token_accuracy", "skipped",
+       "seed"]
+    )  # fmt: skip
     for r in results:
       for rec in r["records"]:
         writer.writerow(
           [r["task"], r["encoding"], r["randomized"], rec["length"], rec.get("exact_match", ""),
-           rec.get("token_accuracy", ""), rec.get("skipped", "")]
+           rec.get("token_accuracy", ""), rec.get("skipped", ""), seeds.split_name(r["run"])[1]]
         )  # fmt: skip
+  every_result, results = results, seeds.seed_zero(results)
   lines = [
     "# Synthetic tasks: accuracy against task length",
     "",
@@ -443,6 +467,17 @@ def write_summaries(out: str, results: list[dict], draw: bool = True) -> None:
         cells = [f"{v:.2f}" for v in baseline[metric]] + [""]
         lines.append(f"| {baseline['label']} | | " + " | ".join(cells) + " |")
       lines.append("")
+  scores = [
+    {"task": r["task"], "run": r["run"], "length": rec["length"], "em": rec["exact_match"]}
+    for r in every_result
+    for rec in r["records"]
+    if "exact_match" in rec
+  ]
+  tasks = dict.fromkeys(r["task"] for r in results)
+  replicated = seeds.section(
+    [(f"{t}, exact match", seeds.summary(scores, value="em", where={"task": t})) for t in tasks]
+  )
+  lines += [*replicated[1:], ""] if replicated else []
   with open(os.path.join(out, "table.md"), "w") as f:
     f.write("\n".join(lines))
 
@@ -484,22 +519,24 @@ def main(argv):
       f"--only={','.join(FLAGS.only)} matches no run of the {FLAGS.scale} grid (runs are named "
       f"like {names}, ...)"
     )
+  # Seed replicates after every seed-0 run, each seed in grid order (parents first).
+  runs = [(*run, seed) for seed in range(FLAGS.seeds) for run in runs]
   print(f"synthetic grid, scale {FLAGS.scale}: {len(runs)} runs -> {out} (workdirs {root})")
   report = progress.ThrottledReport(summarize)
   with progress.stop_on_ctrl_c(out), report.flushed_on_error():
-    for i, (task, encoding, randomized) in enumerate(runs, start=1):
-      name = run_name(task, encoding, randomized)
+    for i, (task, encoding, randomized, seed) in enumerate(runs, start=1):
+      name = run_name(task, encoding, randomized, seed)
       path = out / (file_stem(name) + ".json")
-      config = run_config(scale, task, encoding, randomized, root)
-      settings = run_settings(scale, task, encoding, randomized, root)
+      config = run_config(scale, task, encoding, randomized, root, seed)
+      settings = run_settings(scale, task, encoding, randomized, root, seed)
       if grid.finished_record(path, settings, adopt=FLAGS.adopt) is not None:
         print(f"[{i}/{len(runs)}] {name}: done before, skipped", flush=True)
         continue
       start = time.perf_counter()
       if encoding in DERIVED:
-        restore_parent(scale, task, encoding, root, out)
-      workdir = run_workdir(scale, task, encoding, randomized, root)
-      result = run_one(scale, task, encoding, randomized, config, str(workdir))
+        restore_parent(scale, task, encoding, root, out, seed)
+      workdir = run_workdir(scale, task, encoding, randomized, root, seed)
+      result = run_one(scale, task, encoding, randomized, config, str(workdir), seed)
       result.update(base="", overrides=run_overrides(config))
       result.update(settings=settings, settings_hash=grid.settings_hash(settings))
       path.write_text(json.dumps(result, indent=2) + "\n")

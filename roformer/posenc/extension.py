@@ -71,8 +71,9 @@ def dual_chunk(ext: ContextExtension, qpos_BL, kpos_BS) -> tuple[Piece, ...]:
   chunk_len is s).
 
   Kind "dca" also multiplies the logits of a sequence of n > L tokens by (0.05 ln(n / L) + 1)^2
-  (`query_factor`), as ChunkLlama's code has since 2024-03-19 (its cos and sin tables times
-  get_mscale(n / L), which it says the paper's results did not use); kind "dca_paper" does not.
+  (`query_factor`), as ChunkLlama's code does since 2024-04-24 (its cos and sin tables times
+  get_mscale(n / L); 0.1 ln from 2024-03-19; the code says the paper's results did not use it);
+  kind "dca_paper" does not.
   """
   s, w = ext.chunk, ext.local
   cq_BL1 = (qpos_BL // s)[:, :, None]
