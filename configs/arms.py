@@ -108,6 +108,11 @@ ARMS: dict[str, Arm] = {
     "QK-norm: RMSNorm per head on queries and keys, before RoPE (Qwen3, Gemma 3)",
     {"posenc.kind": "rope", "model.qk_norm": "rmsnorm"},
   ),
+  "qk_norm_whole": Arm(
+    "QK-norm over the whole projection: RMSNorm over all heads' queries and all keys, before "
+    "the heads are split and before RoPE (OLMo 2)",
+    {"posenc.kind": "rope", "model.qk_norm": "rmsnorm_whole"},
+  ),
   "ssmax": Arm(
     "Scalable-Softmax (arXiv 2501.19399): queries scaled by s ln n, s learned per head",
     {"posenc.kind": "rope", "posenc.query_scale": "ssmax"},
@@ -147,7 +152,9 @@ ARMS: dict[str, Arm] = {
 }
 
 # The 2024-26 options, in the order the grids and reports list them.
-FRONTIER = ("irope", "rnope_swa", "qk_norm", "ssmax", "pope", "resonance", "fox", "sinks")
+FRONTIER = (
+  "irope", "rnope_swa", "qk_norm", "qk_norm_whole", "ssmax", "pope", "resonance", "fox", "sinks"
+)  # fmt: skip
 RECALIBRATIONS = tuple(name for name, arm in ARMS.items() if arm.starts_from)
 
 

@@ -153,8 +153,8 @@ SCALES = {
       ("passkey", "fire", True),
     ),  # fmt: skip
   ),
-  # The comparison: 3 tasks x (12 encodings + the 10 that read positions randomized + the 8
-  # FRONTIER arms) = 90 runs of 2000 steps, and per task the DERIVED arms (two of 200 steps, five
+  # The comparison: 3 tasks x (12 encodings + the 10 that read positions randomized + the 9
+  # FRONTIER arms) = 93 runs of 2000 steps, and per task the DERIVED arms (two of 200 steps, five
   # evaluations only). Training ranges are short enough for a 2-layer model to learn in that budget
   # on CPU (copy at 8..32 is still at 0.40 per-token accuracy on its longest strings after 1200
   # such steps). Associative recall trains on 2..8 pairs: with this recipe RoPE retrieves after

@@ -29,7 +29,9 @@ def test_the_extrapolation_grid_plans_every_run():
   encodings = {"sinusoidal", "learned", "t5", "alibi", "rope", "xpos", "nope"}
   seeds = {"rope_short_seed1", "sinusoidal_short_seed1", "learned_short_seed1"}
   fine_tunes = {"rope_linear_2x", "rope_yarn_2x"}
-  frontier = {"irope", "rnope_swa", "qk_norm", "ssmax", "pope", "resonance", "fox", "sinks"}
+  frontier = {
+    "irope", "rnope_swa", "qk_norm", "qk_norm_whole", "ssmax", "pope", "resonance", "fox", "sinks"
+  }  # fmt: skip
   recalibrations = {"drope", "rope_continued"}
   evaluated = {"rope_logn", "nope_logn", "nope_llama4"}
   evaluated |= {"rope_yarn_authors", "resonance_yarn_authors"}
