@@ -86,7 +86,7 @@ def test_summary_gives_mean_spread_and_range_per_length_of_replicated_runs_only(
     == f"| rope | 3 | 6.000 ± {sd:.3f} [4.000, 9.000] | 10.000 ± {sd:.3f} [8.000, 13.000] |"
   )
   assert len(lines) == 3
-  # Negative control: without replicates there is no table (and no seeds.md).
+  # Negative control: without replicates there is no table (and no section in table.md).
   assert seeds.summary(grid.csv_rows(records[3:]), value="ppl") == []
 
 
