@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from experiments import grid, report, seeds
 from roformer.evals import plots, task_plots
+from roformer.evals.effective_length import RULER_THRESHOLD, EffectiveRule, task_effective_lengths
 from roformer.posenc.config import EXTENSION_FIELDS
 
 TASK_COLUMNS = ("task", "run", "method", "length", "tokens", "exact_match", "token_accuracy")
@@ -67,8 +68,9 @@ def _task_table(task: str, records, rows) -> list[str]:
   first = records[0]["evaluations"][0]["result"]
   lo, hi = first.get("train_lengths", (0, 0))
   lines = [f"## {task}: exact match (trained on lengths {lo}..{hi})", ""]
-  lines += ["| method | settings | " + " | ".join(f"n={n}" for n in lengths) + " | effective n |"]
-  lines += ["|---|---|" + "---|" * (len(lengths) + 1)]
+  head = " | ".join(f"n={n}" for n in lengths)
+  lines += [f"| method | settings | {head} | effective n | RULER's n |"]
+  lines += ["|---|---|" + "---|" * (len(lengths) + 2)]
   for record, ev in _evaluations(records):
     cells = []
     for n in lengths:
@@ -76,6 +78,8 @@ def _task_table(task: str, records, rows) -> list[str]:
       cells.append(f"{float(row['exact_match']):.2f}" if row else "–")
     effective = ev["result"].get("effective_length", {}).get("exact_match", {})
     cells.append(_effective_n(effective))
+    ruler = EffectiveRule(threshold=RULER_THRESHOLD)
+    cells.append(_effective_n(task_effective_lengths(ev["result"], ruler)["exact_match"]))
     settings = method_settings(ev["scaling"], ev["result"])
     lines.append(f"| {ev['scaling']} | {settings} | " + " | ".join(cells) + " |")
   return lines
@@ -111,7 +115,8 @@ def write_extension(
     "settings in units of the training length as experiments/extension.py's `methods` gives "
     "them. Effective L: the last length before the first whose loss is more than -ln 0.9 = "
     f"0.105 nats above the loss at {seq_len}; effective n: the last task length whose exact "
-    "match stays at or above 0.9 of the score at the longest training length.",
+    "match stays at or above 0.9 of the score at the longest training length; RULER's n: the "
+    f"last whose exact match stays at or above RULER's absolute limit, {RULER_THRESHOLD}.",
     "",
   ]
   if records:

@@ -397,7 +397,11 @@ def write_summaries(out: str, results: list[dict], draw: bool = True) -> None:
   """results.csv, table.md and (unless not `draw`) the PNGs of each task from every run's JSON
   (seed replicates: in results.csv, with their seed, and in tables of their own)."""
   from roformer.evals import task_plots
-  from roformer.evals.effective_length import EffectiveRule, task_effective_lengths
+  from roformer.evals.effective_length import (
+    RULER_THRESHOLD,
+    EffectiveRule,
+    task_effective_lengths,
+  )
 
   with open(os.path.join(out, "results.csv"), "w", newline="") as f:
     writer = csv.writer(f)
@@ -421,8 +425,9 @@ def write_summaries(out: str, results: list[dict], draw: bool = True) -> None:
     "Effective n: the last length before the first one under 0.9 x the run's own score at its "
     "longest training length, read from that length up as RULER reads its effective length "
     "(eval.py's default; `64+`: no evaluated length under the limit; `-`: scoring 0 at the "
-    "training length). The limit is relative to the run, where RULER's is one absolute score "
-    "for every model.",
+    "training length). The limit is relative to the run. RULER's n: the same reading against "
+    "RULER's one absolute limit for every model, a score of 0.856 (eval.py "
+    "--effective_threshold=0.856).",
     "",
   ]
   for task in dict.fromkeys(r["task"] for r in results):
@@ -448,23 +453,26 @@ def write_summaries(out: str, results: list[dict], draw: bool = True) -> None:
     for metric, heading in task_plots.METRIC_LABELS.items():
       lines += [f"## {task}: {heading} (trained on lengths {lo}..{hi})", ""]
       lines.append(
-        "| encoding | randomized | " + " | ".join(f"n={n}" for n in lengths) + " | effective n |"
+        "| encoding | randomized | "
+        + " | ".join(f"n={n}" for n in lengths)
+        + " | effective n | RULER's n |"
       )
-      lines.append("|---|---|" + "---|" * (len(lengths) + 1))
+      lines.append("|---|---|" + "---|" * (len(lengths) + 2))
       for r in runs:
         by_length = {rec["length"]: rec for rec in r["records"]}
         cells = [
           "skip" if "skipped" in by_length.get(n, {"skipped": 1}) else f"{by_length[n][metric]:.2f}"
           for n in lengths
         ]
-        found = task_effective_lengths(r, EffectiveRule())[metric]
-        beyond = "+" if found["first_failing"] is None else ""  # no length under the limit
-        cells.append("-" if found["length"] is None else f"{found['length']}{beyond}")
+        for rule in (EffectiveRule(), EffectiveRule(threshold=RULER_THRESHOLD)):
+          found = task_effective_lengths(r, rule)[metric]
+          beyond = "+" if found["first_failing"] is None else ""  # no length under the limit
+          cells.append("-" if found["length"] is None else f"{found['length']}{beyond}")
         lines.append(
           f"| {r['encoding']} | {'yes' if r['randomized'] else 'no'} | " + " | ".join(cells) + " |"
         )
       if baseline is not None:
-        cells = [f"{v:.2f}" for v in baseline[metric]] + [""]
+        cells = [f"{v:.2f}" for v in baseline[metric]] + ["", ""]
         lines.append(f"| {baseline['label']} | | " + " | ".join(cells) + " |")
       lines.append("")
   scores = [

@@ -169,3 +169,18 @@ def test_the_committed_scale_is_the_default():
   values = flags.FlagValues()
   synthetic.define_flags(values)  # the grid's flags, on a FlagValues of their own
   assert values["scale"].default == "cpu"
+
+
+def test_tables_read_rulers_absolute_limit_beside_the_relative_one(tmp_path):
+  # 0.98 at the longest training length 8: the relative limit is 0.882, RULER's 0.856. A run at
+  # 0.87 at 16 passes RULER's and fails the relative one; 0.50 at 32 fails both.
+  scores = {4: 1.0, 8: 0.98, 16: 0.87, 32: 0.5}
+  records = [{"length": n, "exact_match": v, "token_accuracy": v} for n, v in scores.items()]
+  result = {
+    "run": "copy/rope", "task": "copy", "encoding": "rope", "randomized": False,
+    "train_lengths": [4, 8], "records": records,
+  }  # fmt: skip
+  synthetic.write_summaries(str(tmp_path), [result], draw=False)
+  table = (tmp_path / "table.md").read_text()
+  assert "| n=4 | n=8 | n=16 | n=32 | effective n | RULER's n |" in table
+  assert "| rope | no | 1.00 | 0.98 | 0.87 | 0.50 | 8 | 16 |" in table
