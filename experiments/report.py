@@ -147,7 +147,7 @@ def write_extrapolation(
   lines += _seed_table(records, rows, seq_len)
   lines += ["", "## Wall time", ""] + _wall_table(records)
   nonoverlapping = dict(protocol="nonoverlapping")
-  ppl = seeds.summary(every_row, value="ppl", where=nonoverlapping)
+  ppl = seeds.summary(every_row, value="ppl", where=nonoverlapping, by=("scaling",))
   lines += seeds.section([("perplexity, non-overlapping", ppl)]) + [""]
   (out / "table.md").write_text("\n".join(lines))
   if not draw:

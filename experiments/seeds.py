@@ -70,17 +70,29 @@ def replicate(runs: Sequence, count: int) -> list:
 
 
 def summary(
-  rows: Sequence[dict], *, value: str, where: dict | None = None, digits: int = 3
+  rows: Sequence[dict],
+  *,
+  value: str,
+  where: dict | None = None,
+  by: Sequence[str] = (),
+  digits: int = 3,
 ) -> list[str]:
-  """Markdown lines: for every run with replicates among `rows` (one row per run and length,
-  e.g. grid.csv_rows filtered by `where`), `value`'s mean ± sample standard deviation and
-  [min, max] over its seeds at each length; [] when no run has a replicate."""
+  """Markdown lines: for every run with replicates among `rows` (one row per run, evaluation and
+  length, e.g. grid.csv_rows, kept where they match `where`), `value`'s mean ± sample standard
+  deviation and [min, max] over its seeds at each length; [] when no run has a replicate.
+
+  `by` names the row fields that tell a run's evaluations apart (the grids' "scaling"): each
+  gets its own line, labelled `run (field values)` unless they are all "" or "none".
+  """
   where = where or {}
   by_run: dict[str, dict[int, dict[int, float]]] = {}
   for row in rows:
     if row.get(value) in (None, "") or any(str(row.get(k)) != str(v) for k, v in where.items()):
       continue
     run, k = split_name(row["run"])
+    labels = [str(row.get(field, "")) for field in by]
+    if any(label not in ("", "none") for label in labels):
+      run = f"{run} ({', '.join(labels)})"
     by_run.setdefault(run, {}).setdefault(int(row["length"]), {})[k] = float(row[value])
   replicated = {
     run: lengths
@@ -96,10 +108,7 @@ def summary(
   ]
   for run, per_length in replicated.items():
     seeds = sorted({k for values in per_length.values() for k in values})
-    cells = []
-    for n in lengths:
-      values = list(per_length.get(n, {}).values())
-      cells.append(_cell(values, digits))
+    cells = [_cell(list(per_length.get(n, {}).values()), digits) for n in lengths]
     lines.append(f"| {run} | {len(seeds)} | " + " | ".join(cells) + " |")
   return lines
 

@@ -150,3 +150,24 @@ def test_synthetic_tables_show_seed_0_and_replicates_in_their_own_table(tmp_path
   assert f"| copy/rope | 2 | 0.600 ± {sd:.3f} [0.500, 0.700] | 0.600 ± {sd:.3f}" in replicates
   rows = list(csv.DictReader(open(tmp_path / "results.csv")))
   assert [r["seed"] for r in rows] == ["0", "0", "1", "1"]
+
+
+def test_summary_keeps_a_run_s_evaluations_apart():
+  def record(name, ppl_none, ppl_yarn):
+    rows = lambda v: [
+      {"length": 32, "protocol": "nonoverlapping", "loss": 1.0, "ppl": v, "tokens": 8}
+    ]  # noqa: E731
+    return {
+      "run": name, "encoding": "rope",
+      "evaluations": [
+        {"scaling": "none", "result": {"records": rows(ppl_none)}},
+        {"scaling": "yarn", "result": {"records": rows(ppl_yarn)}},
+      ],
+    }  # fmt: skip
+
+  rows = grid.csv_rows([record("rope", 20.0, 8.0), record("rope-seed1", 22.0, 9.0)])
+  lines = seeds.summary(rows, value="ppl", by=("scaling",))
+  assert lines[2].startswith("| rope | 2 | 21.000 ± 1.414 [20.000, 22.000] |")
+  assert lines[3].startswith("| rope (yarn) | 2 | 8.500 ± 0.707 [8.000, 9.000] |")
+  # Negative control: without `by` the two evaluations would be one (and wrong) line.
+  assert len(seeds.summary(rows, value="ppl")) == 3
