@@ -107,7 +107,7 @@ def write_extension(
   every_row = grid.csv_rows(records)
   grid.write_csv(every_row, out / "results.csv")
   records = seeds.seed_zero(records)
-  rows = grid.csv_rows(records)
+  rows = seeds.seed_zero(every_row)
   subject = subject or f"{scale} scale"
   lines = [f"# Training-free context extension ({subject}, training length {seq_len})", ""]
   lines += [
@@ -127,7 +127,7 @@ def write_extension(
       trows = task_rows(task, task_recs)
       all_task_rows += trows
       task_recs = seeds.seed_zero(task_recs)
-      lines += ["", *_task_table(task, task_recs, task_rows(task, task_recs))]
+      lines += ["", *_task_table(task, task_recs, seeds.seed_zero(trows))]
       em = seeds.summary(trows, value="exact_match")
       seed_tables.append((f"{task}, exact match", em))
       runs = [(ev["scaling"], ev["result"]) for _, ev in _evaluations(task_recs)]

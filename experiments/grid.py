@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import glob
 import hashlib
 import json
 import pathlib
@@ -426,12 +425,15 @@ def finished_records(runs: Sequence[Run], out: pathlib.Path) -> list[dict]:
   Reports are drawn from these, so that a grid run piecewise with --only reports all of them,
   and a run's seed replicates (`<run>-seed<k>.json`) come with it.
   """
+  replicates: dict[str, list] = {}  # run -> [(k, path)] of its seed replicates (seeds.py)
+  for path in out.glob(f"*{seeds.SEPARATOR}*.json"):
+    name, k = seeds.split_name(path.stem)
+    if k:
+      replicates.setdefault(name, []).append((k, path))
   paths = []
-  for run in runs:  # each run, then its seed replicates (seeds.py) in seed order
+  for run in runs:  # each run, then its replicates in seed order
     paths.append(out / f"{run.name}.json")
-    replicates = out.glob(f"{glob.escape(run.name)}{seeds.SEPARATOR}*.json")
-    named = [(seeds.split_name(p.stem), p) for p in replicates]
-    paths += [p for (name, k), p in sorted(named) if name == run.name and k > 0]
+    paths += [path for _, path in sorted(replicates.get(run.name, []))]
   return [json.loads(path.read_text()) for path in paths if path.exists()]
 
 

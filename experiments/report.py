@@ -82,7 +82,7 @@ def write_extrapolation(
   every_row = grid.csv_rows(records)
   grid.write_csv(every_row, out / "results.csv")
   records = seeds.seed_zero(records)
-  rows = grid.csv_rows(records)
+  rows = seeds.seed_zero(every_row)
   lengths = sorted({int(r["length"]) for r in rows})
   full = [r for r in records if r.get("budget") == "full" and "evaluations" in r]
   lines = [f"# Length extrapolation ({scale} scale, training length {seq_len})", ""]

@@ -123,7 +123,8 @@ def _cell(values: list[float], digits: int) -> str:
 
 
 def seed_zero(records: Sequence[dict]) -> list[dict]:
-  """The records of seed-0 runs: what a grid's own tables show (replicates feed `section`)."""
+  """The records (or CSV rows: anything with a "run") of seed-0 runs: what a grid's own tables
+  show (replicates feed `section`)."""
   return [r for r in records if split_name(r.get("run", ""))[1] == 0]
 
 

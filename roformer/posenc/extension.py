@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from roformer.posenc.config import ContextExtension
+from roformer.posenc.query_scale import logn_scale
 
 
 class Piece(NamedTuple):
@@ -180,9 +181,9 @@ def query_factor(ext: ContextExtension, qpos_BL: jax.Array) -> jax.Array | None:
       f"posenc.extension.kind={ext.kind!r} needs posenc.extension.train_len >= 2 (the training "
       "length of its query factor; eval.py sets the run's)"
     )
+  if ext.kind == "rerope":  # the patch's clip(1) of log(i + 1) / log L is Qwen's log-n
+    return logn_scale(qpos_BL, ext.train_len)
   log_L = jnp.log(jnp.float32(ext.train_len))
-  if ext.kind == "rerope":
-    return jnp.maximum(1.0, jnp.log(qpos_BL.astype(jnp.float32) + 1.0) / log_L)
   n_B1 = jnp.max(qpos_BL, axis=1, keepdims=True).astype(jnp.float32) + 1.0
   mscale_B1 = 1.0 + DCA_MSCALE * jnp.maximum(0.0, jnp.log(n_B1) - log_L)
   return jnp.broadcast_to(mscale_B1**2, qpos_BL.shape)
