@@ -198,8 +198,9 @@ class DoesNotFitError(Exception):
   """The TPU compiler found that the step needs more memory than the chip has."""
 
 
-def compile_train_step(run_config, devices) -> dict:
-  """Lowers and compiles train_lib's train step for `devices`; returns memory and timing."""
+def compile_train_step(run_config, devices, dump_dir: str | None = None) -> dict:
+  """Lowers and compiles train_lib's train step for `devices`; returns memory and timing.
+  `dump_dir`: where XLA writes the compiled HLO and its buffer assignment (`memory_report.py`)."""
   import jax
   import jax.numpy as jnp
 
@@ -247,7 +248,7 @@ def compile_train_step(run_config, devices) -> dict:
   with jax.set_mesh(mesh):
     lowered = step_fn.lower(model_abs, opt_abs, batch, step)
     try:
-      compiled = lowered.compile()
+      compiled = lowered.compile(None if dump_dir is None else {"xla_dump_to": dump_dir})
     except jax.errors.JaxRuntimeError as e:  # the TPU compiler refuses programs past the HBM
       if "RESOURCE_EXHAUSTED" not in str(e):
         raise

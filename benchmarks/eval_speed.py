@@ -6,9 +6,11 @@ eval.py runs (blockwise: sequence blocks of the layers, and attention through `a
 the fused `cpu_flash` kernel, elsewhere the chunked kernel beyond `model.attention_block`, so
 memory stays linear in the length). With --compare_hf the Hugging
 Face decoder of the same shape (benchmarks/hf_counterpart.py: LlamaForCausalLM or
-GPTNeoXForCausalLM, float32, SDPA attention) computes the same loss under torch.no_grad() on the
-same tokens, alternating with ours repeat by repeat; the table gives the medians and their
-ratio. Compile time is excluded (each length is scored once before timing).
+GPTNeoXForCausalLM, SDPA attention; float32, or bf16 autocast for a bfloat16 config) computes the
+same loss under torch.no_grad() on the same tokens, alternating with ours repeat by repeat; the
+table gives the medians and their ratio. Compile time is excluded (each length is scored once
+before timing). The PyTorch side runs where JAX does (`--hf_device=auto`: cuda on a GPU, JAX
+then allocating memory as it needs it rather than 75% up front), or where --hf_device says.
 
   # the decoder of the speed comparison (Llama-style 4 x 256, bytes) at 2k, 8k and 32k tokens
   JAX_PLATFORMS=cpu python -m benchmarks.eval_speed --config=configs/lm.py \
@@ -39,6 +41,7 @@ flags.DEFINE_list("lengths", ["2048", "8192", "32768"], "Window lengths to score
 flags.DEFINE_integer("repeats", 3, "Alternating timed repeats per length; the median is reported.")
 flags.DEFINE_bool("compare_hf", False, "Time Hugging Face's PyTorch forward of the same shape.")
 bench_step.define_keep_freed_memory_flag()
+hf_counterpart.define_device_flag()
 flags.DEFINE_bool("smoke", False, "Tiny model and short lengths (a test runs this).")
 flags.DEFINE_string("json", "", "Write the results to this JSON file.")
 FLAGS = flags.FLAGS
@@ -83,29 +86,34 @@ class OursEval:
 
 
 class TorchEval:
-  """The Hugging Face counterpart's loss on the same window, no gradients."""
+  """The Hugging Face counterpart's loss on the same window, no gradients, on torch's `device`
+  (under bf16 autocast when the config computes in bfloat16)."""
 
-  def __init__(self, run_config, counterpart, tokens, length: int):
+  def __init__(self, run_config, counterpart, tokens, length: int, device: str = "cpu"):
     import torch
     import transformers
 
     torch.manual_seed(run_config.train.seed)
-    self.torch = torch
-    self.model = getattr(transformers, counterpart.name)(counterpart.config).float().eval()
+    self.torch, self.device = torch, device
+    model = getattr(transformers, counterpart.name)(counterpart.config)
+    self.model = model.float().to(device).eval()
+    self.autocast = run_config.model.dtype == "bfloat16"
     window = torch.from_numpy(tokens[length : 2 * length + 1].astype("int64"))[None]
     # The causal LM shifts the labels itself, so it scores L - 1 of the window's tokens.
-    self.inputs = self.labels = window[:, :-1]
+    self.inputs = self.labels = window[:, :-1].to(device)
 
   def run(self) -> float:
+    torch = self.torch
     start = time.perf_counter()
-    with self.torch.no_grad():
+    with torch.no_grad(), torch.autocast(self.device, torch.bfloat16, enabled=self.autocast):
       loss = self.model(input_ids=self.inputs, labels=self.labels).loss
+    finite = bool(torch.isfinite(loss))  # waits for a GPU's queued kernels
     seconds = time.perf_counter() - start
-    assert bool(self.torch.isfinite(loss))
+    assert finite
     return seconds
 
 
-def benchmark(run_config, lengths, *, repeats: int, compare_hf: bool) -> dict:
+def benchmark(run_config, lengths, *, repeats: int, compare_hf: bool, hf_device="cpu") -> dict:
   counterpart = hf_counterpart.hf_counterpart(run_config) if compare_hf else None
   rows = []
   for length in lengths:
@@ -113,7 +121,7 @@ def benchmark(run_config, lengths, *, repeats: int, compare_hf: bool) -> dict:
     start = time.perf_counter()
     ours.run()  # compiles
     row = {"length": length, "first_call_seconds": time.perf_counter() - start}
-    hf = TorchEval(run_config, counterpart, ours.tokens, length) if compare_hf else None
+    hf = TorchEval(run_config, counterpart, ours.tokens, length, hf_device) if compare_hf else None
     if hf is not None:
       hf.run()  # warm-up
     ours_s, hf_s = [], []
@@ -135,6 +143,8 @@ def benchmark(run_config, lengths, *, repeats: int, compare_hf: bool) -> dict:
   }
   if counterpart is not None:
     result["hf_model"] = counterpart.name + (f" ({counterpart.note})" if counterpart.note else "")
+    precision = "bf16 autocast" if m.dtype == "bfloat16" else "float32"
+    result["hf_setup"] = f"{hf_device}, {precision}, torch.no_grad()"
   return result
 
 
@@ -167,6 +177,14 @@ def main(argv):
   if FLAGS.compare_hf and (missing := hf_counterpart.missing()):
     print(f"eval_speed.py: error: {missing}", file=sys.stderr)
     sys.exit(1)
+  hf_device = "cpu"
+  if FLAGS.compare_hf:
+    try:
+      hf_device = hf_counterpart.torch_device(FLAGS.hf_device)
+    except ValueError as e:
+      print(f"eval_speed.py: error: {e}", file=sys.stderr)
+      sys.exit(1)
+    hf_counterpart.share_gpu_with_torch(hf_device)  # before JAX starts
   if run_config.model.kind != "decoder":
     print("eval_speed.py: error: model.kind must be 'decoder' (use configs/lm.py)", file=sys.stderr)
     sys.exit(1)
@@ -174,12 +192,14 @@ def main(argv):
   print(f"{m.kind} {m.num_layers}x{m.emb_dim}, attention {m.attention_impl}, batch 1")
   print(HEADER, flush=True)
   try:
-    result = benchmark(run_config, lengths, repeats=repeats, compare_hf=FLAGS.compare_hf)
+    result = benchmark(
+      run_config, lengths, repeats=repeats, compare_hf=FLAGS.compare_hf, hf_device=hf_device
+    )
   except hf_counterpart.NoCounterpartError as e:
     print(f"eval_speed.py: error: --compare_hf: {e}", file=sys.stderr)
     sys.exit(1)
   if "hf_model" in result:
-    print(f"HF model: transformers.{result['hf_model']}, float32, torch.no_grad()")
+    print(f"HF model: transformers.{result['hf_model']}, {result['hf_setup']}")
   if FLAGS.json:
     with open(FLAGS.json, "w") as f:
       json.dump(result, f, indent=2)

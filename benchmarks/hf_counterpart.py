@@ -8,10 +8,15 @@ torch AdamW train step for it (throughput.py --compare_hf, profile_step.py --tor
   = model.parallel_residual, exact GELU, SDPA, rotary_pct = posenc.rope_fraction).
 
 torch and transformers are optional: nothing here imports them before it is called.
+
+`--hf_device` (throughput.py, eval_speed.py) puts the PyTorch side on the accelerator JAX runs
+on: on a GPU, torch on cuda with bf16 autocast (for a bfloat16 config) and fused AdamW, as a
+PyTorch user chasing speed runs it.
 """
 
 import contextlib
 import dataclasses
+import os
 import time
 
 from benchmarks import bench_step
@@ -185,6 +190,49 @@ def hf_counterpart(run_config) -> Counterpart:
   )
 
 
+def define_device_flag() -> None:
+  """--hf_device, for a script that runs the Hugging Face side."""
+  from absl import flags
+
+  flags.DEFINE_enum(
+    "hf_device",
+    "auto",
+    ["auto", "cpu", "cuda"],
+    "Where the Hugging Face model runs: auto = cuda when JAX may run on a GPU (JAX_PLATFORMS "
+    "unset or naming cuda/gpu) and torch sees one, else cpu.",
+  )
+
+
+def resolve_device(requested: str, *, cuda_available: bool, jax_platforms: str) -> str:
+  """ "cpu" or "cuda" for --hf_device=`requested`; `jax_platforms` is $JAX_PLATFORMS. Decided
+  without starting JAX, whose GPU client would take most of the GPU's memory in this process.
+  Raises ValueError for cuda that torch cannot see."""
+  if requested == "cuda" and not cuda_available:
+    raise ValueError("--hf_device=cuda: torch sees no CUDA device (torch.cuda.is_available())")
+  if requested != "auto":
+    return requested
+  platforms = {p.strip() for p in jax_platforms.split(",") if p.strip()}
+  jax_on_gpu = not platforms or bool(platforms & {"cuda", "gpu", "rocm"})
+  return "cuda" if cuda_available and jax_on_gpu else "cpu"
+
+
+def torch_device(requested: str) -> str:
+  """`resolve_device` for this machine (imports torch)."""
+  import torch
+
+  available = torch.cuda.is_available()
+  return resolve_device(
+    requested, cuda_available=available, jax_platforms=os.environ.get("JAX_PLATFORMS", "")
+  )
+
+
+def share_gpu_with_torch(device: str) -> None:
+  """With the PyTorch side on the GPU, JAX allocates device memory as it needs it instead of
+  taking 75% of it up front (set before JAX starts; children inherit it)."""
+  if device != "cpu":
+    os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+
+
 class TorchTrainer:
   """A Hugging Face model trained with torch AdamW (the optim group's settings) on our batch,
   on `device` ("cpu" or "cuda"), eager or through `torch.compile` (`compile=True`)."""
@@ -205,6 +253,7 @@ class TorchTrainer:
       betas=(o.b1, o.b2),
       eps=o.eps,
       weight_decay=o.weight_decay,
+      fused=device != "cpu",  # one kernel per step on a GPU, as its users run it there
     )
     batch = bench_step.synthetic_batch(run_config, np.random.default_rng(0))
     self.inputs = torch.from_numpy(batch["inputs"]).long().to(device)

@@ -24,9 +24,11 @@ Both HF decoders always run RoPE in half layout: for another posenc.kind (or an 
 truncated or scaled RoPE) the table says what differs. A decoder that neither family reproduces
 (e.g. swiglu with layernorm, linear or MLA attention, a sliding window) is refused, naming the
 field. With
---config.model.dtype=bfloat16 the PyTorch forward runs under torch.autocast("cpu", bfloat16), the
+--config.model.dtype=bfloat16 the PyTorch forward runs under torch.autocast(bfloat16), the
 counterpart of our bfloat16 compute with float32 weights. Both use every core, so run it on an
-otherwise idle machine.
+otherwise idle machine. The PyTorch side runs where JAX does (`--hf_device=auto`): on a GPU on
+cuda, with fused AdamW, both sides sharing the GPU (JAX then allocates memory as it needs it,
+not 75% up front); `--hf_device=cpu` or `=cuda` says where.
 
 Each side runs in a child process of its own (benchmarks/alternate.py), as its users run it:
 ours with train.py's malloc setting (`keep_freed_host_memory`, roformer.infra.cpu_flags), HF
@@ -50,6 +52,7 @@ in this process instead, under one setting (default: glibc's).
   JAX_PLATFORMS=cpu python -m benchmarks.throughput --smoke   # seconds; what the test runs
 """
 
+import functools
 import json
 import os
 import statistics
@@ -80,6 +83,7 @@ flags.DEFINE_bool(
   " instead of a child process each.",
 )
 bench_step.define_keep_freed_memory_flag()
+hf_counterpart.define_device_flag()
 flags.DEFINE_enum("serve", "", ["", "ours", "hf"], "Internal: serve one side to --compare_hf.")
 flags.DEFINE_bool("smoke", False, "Tiny model and a few steps (a test runs this).")
 flags.DEFINE_string("json", "", "Write the results to this JSON file.")
@@ -111,9 +115,11 @@ def _measured_peak(run_config, peak_size: int) -> dict:
   }
 
 
-def make_side(name: str, run_config, *, warmup: int, peak_size: int) -> alternate.InProcess:
-  """Our train step ("ours") or the Hugging Face model's ("hf"), built and warmed up here; its
-  info names the process and whether it keeps freed memory."""
+def make_side(
+  name: str, run_config, *, warmup: int, peak_size: int, hf_device: str = "cpu"
+) -> alternate.InProcess:
+  """Our train step ("ours") or the Hugging Face model's ("hf", on torch's `hf_device`), built
+  and warmed up here; its info names the process and whether it keeps freed memory."""
   from roformer.infra import cpu_flags
 
   where = {"pid": os.getpid(), "keeps_freed_memory": cpu_flags.freed_memory_kept()}
@@ -126,11 +132,12 @@ def make_side(name: str, run_config, *, warmup: int, peak_size: int) -> alternat
       **where,
     }
   else:
-    trainer = hf_counterpart.TorchTrainer(run_config, hf_counterpart.hf_counterpart(run_config))
+    counterpart = hf_counterpart.hf_counterpart(run_config)
+    trainer = hf_counterpart.TorchTrainer(run_config, counterpart, device=hf_device)
     info = lambda: {  # noqa: E731
       "hf_model": trainer.name,
       "hf_note": trainer.note,
-      "hf_precision": "bfloat16 autocast" if trainer.autocast else "float32",
+      "hf_precision": f"{hf_device}, " + ("bfloat16 autocast" if trainer.autocast else "float32"),
       **where,
     }
   trainer.run(warmup)
@@ -148,8 +155,11 @@ def setup(infos: list[dict]) -> str:
   return f"{where}; ours with {malloc[kept[0]]}, HF with {malloc[kept[1]]}"
 
 
-def benchmark(run_config, *, steps, repeats, warmup, peak_size, compare_hf, child_cmd=None) -> dict:
-  """Times our train step (and HF's when asked, the two in turn); returns the results.
+def benchmark(
+  run_config, *, steps, repeats, warmup, peak_size, compare_hf, child_cmd=None, hf_device="cpu"
+) -> dict:
+  """Times our train step (and HF's on `hf_device` when asked, the two in turn); returns the
+  results.
 
   With `child_cmd(side)` (the command line of a `--serve=side` process), each side runs in a
   child process of its own; else both run in this one.
@@ -164,7 +174,9 @@ def benchmark(run_config, *, steps, repeats, warmup, peak_size, compare_hf, chil
         sides.append(alternate.ChildProcess(child_cmd(name), name, env=bench_step.child_env()))
         sides[-1].wait_ready()
       else:
-        sides.append(make_side(name, run_config, warmup=warmup, peak_size=peak_size))
+        sides.append(
+          make_side(name, run_config, warmup=warmup, peak_size=peak_size, hf_device=hf_device)
+        )
     runs = alternate.alternate(sides, steps, repeats)
     infos = [side.info() for side in sides]
     done = True
@@ -251,13 +263,13 @@ def format_table(result: dict) -> str:
   return "\n".join(f"| {name:<{width}} | {value} |" for name, value in rows)
 
 
-def _child_cmd(side: str) -> list[str]:
+def _child_cmd(side: str, hf_device: str) -> list[str]:
   """This script's command line, serving `side` in a child process as its users run it (ours
-  keeping freed memory, HF not) unless --keep_freed_memory says; the flag appended last wins,
-  and the child writes no JSON."""
+  keeping freed memory, HF not) unless --keep_freed_memory says, HF on `hf_device`; the flags
+  appended last win, and the child writes no JSON."""
   keep = side == "ours" if FLAGS.keep_freed_memory is None else FLAGS.keep_freed_memory
   return [sys.executable, "-m", "benchmarks.throughput", *sys.argv[1:], f"--serve={side}",
-          f"--keep_freed_memory={keep}"]  # fmt: skip
+          f"--keep_freed_memory={keep}", f"--hf_device={hf_device}"]  # fmt: skip
 
 
 def main(argv):
@@ -271,7 +283,9 @@ def main(argv):
   if FLAGS.serve:  # a child process of --compare_hf: one side, driven over stdin
     keep = bool(FLAGS.keep_freed_memory)  # the parent always says
     run_config = bench_step.run_config_or_exit("throughput.py", config, keep_freed_memory=keep)
-    side = make_side(FLAGS.serve, run_config, warmup=warmup, peak_size=peak_size)
+    side = make_side(
+      FLAGS.serve, run_config, warmup=warmup, peak_size=peak_size, hf_device=FLAGS.hf_device
+    )
     alternate.serve(side)
     return
   # Before torch is imported (missing() imports it): malloc is set before threads start. Only
@@ -282,6 +296,14 @@ def main(argv):
   if FLAGS.compare_hf and (missing := hf_counterpart.missing()):
     print(f"throughput.py: error: {missing}", file=sys.stderr)
     sys.exit(1)
+  hf_device = "cpu"
+  if FLAGS.compare_hf:
+    try:
+      hf_device = hf_counterpart.torch_device(FLAGS.hf_device)
+    except ValueError as e:
+      print(f"throughput.py: error: {e}", file=sys.stderr)
+      sys.exit(1)
+    hf_counterpart.share_gpu_with_torch(hf_device)
   try:
     result = benchmark(
       run_config,
@@ -290,7 +312,8 @@ def main(argv):
       warmup=warmup,
       peak_size=peak_size,
       compare_hf=FLAGS.compare_hf,
-      child_cmd=_child_cmd if separate else None,
+      child_cmd=functools.partial(_child_cmd, hf_device=hf_device) if separate else None,
+      hf_device=hf_device,
     )
   except hf_counterpart.NoCounterpartError as e:
     print(f"throughput.py: error: --compare_hf: {e}", file=sys.stderr)

@@ -12,19 +12,23 @@ exits non-zero when it does not fit. This is how MaxText's train_compile.py chec
 
 `--kernels=chunked,splash,flash_bias` compiles the step once per attention kernel
 (model.attention_impl) and prints one row each: compile time and per-device memory, or the one
-line a kernel refuses the config with.
+line a kernel refuses the config with. `--memory_report=N` adds, per compile, the N array shapes
+holding the most memory in XLA's buffer assignment (a residual kept for the backward pass
+shows up as a shape repeated once per layer).
 
 Every --config.* override train.py takes works here. The vocabulary size is data.vocab_size (a
 trained tokenizer's size) or 261 for the bytes tokenizer, so no corpus is read.
 """
 
+import contextlib
 import os
 import sys
+import tempfile
 
 from absl import app, flags
 from ml_collections import config_flags
 
-from benchmarks import bench_step
+from benchmarks import bench_step, memory_report
 
 config_flags.DEFINE_config_file("config", None, "Training config file.", lock_config=True)
 flags.DEFINE_string("topology", "v4:2x2x4", "TPU slice, e.g. v4:2x2x4, v5e:4x4, v5p:2x2x2.")
@@ -40,6 +44,12 @@ flags.DEFINE_list(
   [],
   "Attention kernels (model.attention_impl) to compile one after another, one table row each; "
   "empty: the config's alone.",
+)
+flags.DEFINE_integer(
+  "memory_report",
+  0,
+  "Also print the N shapes holding the most device memory in XLA's buffer assignment of the "
+  "step (benchmarks/memory_report.py), per kernel; 0: none.",
 )
 flags.mark_flags_as_required(["config"])
 FLAGS = flags.FLAGS
@@ -83,7 +93,9 @@ def main(argv):
   try:
     run_config = bench_step.run_config(config)
     devices = topology_devices(FLAGS.topology, FLAGS.chip_config)
-    result = bench_step.compile_train_step(run_config, devices)
+    with dump_dir() as dump:
+      result = bench_step.compile_train_step(run_config, devices, dump)
+      report = dump and memory_report.table(dump, FLAGS.memory_report)
   except (config_lib.ConfigError, RuntimeError, ValueError) as e:
     print(f"tpu_compile.py: error: {e}", file=sys.stderr)
     sys.exit(1)
@@ -116,6 +128,8 @@ def main(argv):
   rows.append(("fits", "yes" if fits else "NO"))
   width = max(len(name) for name, _ in rows)
   print("\n".join(f"| {name:<{width}} | {value} |" for name, value in rows))
+  if report:
+    print(f"\nLargest buffers by shape, per device:\n{report}")
   if not fits:
     print(
       f"tpu_compile.py: error: {result['total_bytes'] / GIB:.2f} GiB per device does not fit the "
@@ -135,13 +149,17 @@ def compare_kernels(config, kernels) -> int:
   print(f"{FLAGS.topology}: {len(devices)} x {devices[0].device_kind}, {hbm / GIB:.0f} GiB each")
   print("| kernel | compile (s) | arguments (GiB) | temporaries (GiB) | total (GiB) | fits |")
   print("|---|---|---|---|---|---|")
-  status = 0
+  status, reports = 0, []
   for kernel in kernels:
     variant = config.copy_and_resolve_references()
     with variant.unlocked():
       variant.model.attention_impl = kernel
     try:
-      result = bench_step.compile_train_step(bench_step.run_config(variant), devices)
+      with dump_dir() as dump:
+        result = bench_step.compile_train_step(bench_step.run_config(variant), devices, dump)
+        if dump:
+          reports.append(f"\n{kernel}: largest buffers by shape, per device\n")
+          reports.append(memory_report.table(dump, FLAGS.memory_report))
     except (config_lib.ConfigError, ValueError) as e:
       print(f"| {kernel} | refused: {str(e).splitlines()[0]} | | | | |", flush=True)
       continue
@@ -157,7 +175,18 @@ def compare_kernels(config, kernels) -> int:
       f"{'yes' if fits else 'NO'} |",
       flush=True,
     )
+  print("\n".join(reports))
   return status
+
+
+@contextlib.contextmanager
+def dump_dir():
+  """A temporary directory for XLA's dump when --memory_report asks for one, else None."""
+  if not FLAGS.memory_report:
+    yield None
+    return
+  with tempfile.TemporaryDirectory(prefix="tpu_compile_") as path:
+    yield path
 
 
 if __name__ == "__main__":

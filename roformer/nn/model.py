@@ -288,9 +288,11 @@ class Block(nnx.Module):
   (`model.parallel_residual`, pre-LN only) parallel: x + attn(norm1(x)) + mlp(norm2(x)).
 
   The output projection and the MLP run over sequence blocks of `cfg.attention_block` when L is
-  longer, updating the residual stream in place, so activation memory stays O(L * D), not
-  O(L * F). The q/k/v projections run over the whole sequence: their outputs are [B, L, ...]
-  anyway and they have no wider intermediate.
+  longer, updating the residual stream in place, so the forward pass's activation memory stays
+  O(L * D), not O(L * F). (Under gradients the loop's backward pass keeps every block's MLP
+  activations, [L / C, C, F] a layer, unless `model.remat` recomputes them: the largest buffers
+  of `tpu_compile.py --memory_report`.) The q/k/v projections run over the whole sequence:
+  their outputs are [B, L, ...] anyway and they have no wider intermediate.
   """
 
   def __init__(self, cfg: ModelConfig, spec: LayerSpec, *, pre_norm: bool, rngs: nnx.Rngs):

@@ -188,6 +188,44 @@ def test_compare_hf_times_both_sides_in_turn_under_the_named_setup(tmp_path, arg
   assert proc.returncode == 0, proc.stderr[-2000:]
   result = json.loads(out.read_text())
   assert result["setup"] == setup and result["hf_model"] == "RoFormerForMaskedLM"
+  # JAX_PLATFORMS=cpu: --hf_device=auto keeps torch on the CPU too, and the table says so.
+  assert result["hf_precision"] == "cpu, float32"
+  assert "| HF PyTorch tokens/s (cpu, float32) |" in proc.stdout
   # The setup is what the sides' processes report: their pids and malloc settings.
   assert len(result["tokens_per_sec_runs"]) == len(result["hf_tokens_per_sec_runs"]) == 2
   assert result["hf_tokens_per_sec"] > 0 and "| ours / HF " in proc.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal on a machine without CUDA")
+@pytest.mark.parametrize("script", ["throughput", "eval_speed"])
+def test_hf_device_cuda_without_a_gpu_is_one_line_and_exit_1(script):
+  import os
+  import subprocess
+
+  cmd = [sys.executable, "-m", f"benchmarks.{script}", "--smoke", "--compare_hf",
+         "--hf_device=cuda"]  # fmt: skip
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 1
+  assert proc.stderr.strip().splitlines()[-1] == (
+    f"{script}.py: error: --hf_device=cuda: torch sees no CUDA device (torch.cuda.is_available())"
+  )
+
+
+def test_eval_speed_compare_hf_scores_both_sides_on_the_cpu(tmp_path):
+  import json
+  import os
+  import subprocess
+
+  out = tmp_path / "eval_speed.json"
+  cmd = [sys.executable, "-m", "benchmarks.eval_speed", "--smoke", "--compare_hf",
+         "--config.model.activation=swiglu", "--config.model.norm=rmsnorm",
+         "--config.model.use_bias=False", "--config.model.tie_embeddings=False",
+         "--config.posenc.rope_layout=half", f"--json={out}"]  # fmt: skip
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  result = json.loads(out.read_text())
+  assert result["hf_setup"] == "cpu, float32, torch.no_grad()"
+  assert [row["length"] for row in result["rows"]] == [64, 256]
+  assert all(row["hf_tokens_per_sec"] > 0 for row in result["rows"])
