@@ -12,12 +12,16 @@
 - cudnn: for each encoding `attention_impl=auto` sends to cuDNN, its loss (the outputs' mean
   square) and gradients in bfloat16 against the float32 oracle (`oracle.reference_attention`),
   relative errors;
-- quickstart: `train.py --config=configs/quickstart.py`: seconds, the last train and eval loss.
+- quickstart: `train.py --config=configs/quickstart.py`: seconds, the last train and eval loss;
+- fallback: what runs where cuDNN refuses a call (sink logits here): a 4-layer model of the same
+  width, 16 x 2048, through each XLA kernel and block (`FALLBACK`), tokens/s and compile seconds,
+  so that the platform's choice is made on numbers (docs/gpu.md).
 
 Each part runs in a process of its own (its own device memory; JAX or PyTorch alone on the GPU),
 under its own time limit and within the whole run's budget (--budget, 470 s: a part that would
 start past it is one line, skipped); a part whose packages are missing is one line saying which,
-and is skipped. The JSON holds every row, and each part's seconds.
+and is skipped. A part prints each row when it has it, so one stopped at its limit keeps the rows
+it finished. The JSON holds every row, and each part's seconds.
 
   python -m benchmarks.gpu_check [--json=gpu_check.json] [--parts=throughput,cudnn]
   JAX_PLATFORMS=cpu python -m benchmarks.gpu_check --smoke   # tiny shapes on a CPU; checks itself
@@ -54,18 +58,24 @@ SMOKE = {"batch": 2, "seq_len": 32, "long": 128, "steps": 2, "cudnn_len": 32, "h
 SMOKE_MODEL = {"model.num_layers": 1, "model.emb_dim": 32, "model.num_heads": 2,
                "model.mlp_dim": 64, "model.dtype": "float32"}  # fmt: skip
 SMOKE_ENCODINGS = ("rope", "alibi", "t5")  # one of each way to the logits cuDNN takes
+# (model.attention_impl, model.attention_block) of the fallback part, today's `auto` choice first
+# (chunked at the default block); the block also sets the MLP's sequence block (Block's seqwise).
+FALLBACK = (("chunked", 512), ("chunked", 1024), ("chunked", 256), ("dense", 512))
+SMOKE_FALLBACK = (("chunked", 16), ("dense", 16))
 
 
 # ---- Parts (each runs in a child process: `--serve=NAME`) ----
 
 
-def _run_config(sizes: dict, *, seq_len: int, batch: int):
+def _run_config(sizes: dict, *, seq_len: int, batch: int, **extra):
+  """The 12 x 768 decoder's run config (tiny under --smoke); `extra`: {"group__field": value}."""
   from benchmarks import bench_step
   from configs import lm
 
   config = lm.get_config()
   overrides = {**bench_step.LLAMA_12x768, **(SMOKE_MODEL if FLAGS.smoke else {})}
   overrides |= {"data.seq_len": seq_len, "train.global_batch_size": batch}
+  overrides |= {name.replace("__", "."): value for name, value in extra.items()}
   for name, value in overrides.items():
     bench_step.apply_overrides(config, {name: value})
   return bench_step.run_config(config)
@@ -280,6 +290,25 @@ def part_quickstart(sizes):
   ]
 
 
+def part_fallback(sizes):
+  """Where cuDNN refuses a call (sink logits: model.attention_sinks), each XLA kernel and block
+  trains a 4-layer model of the 12 x 768 decoder's width; yields a row per kernel as it is done."""
+  from benchmarks import bench_step
+
+  layers = 1 if FLAGS.smoke else 4
+  for impl, block in SMOKE_FALLBACK if FLAGS.smoke else FALLBACK:
+    run_config = _run_config(
+      sizes, seq_len=sizes["seq_len"], batch=sizes["batch"], model__num_layers=layers,
+      model__attention_sinks=True, model__attention_impl=impl, model__attention_block=block,
+    )  # fmt: skip
+    trainer = bench_step.JaxTrainer(run_config)
+    trainer.run(1)
+    seconds = trainer.run(sizes["steps"])
+    tokens_per_sec = sizes["batch"] * sizes["seq_len"] * sizes["steps"] / seconds
+    note = f"compile {trainer.compile_seconds:.1f} s; {layers} layers, sinks, bf16"
+    yield _row(f"fallback {impl}, block {block} tokens/s", tokens_per_sec, note)
+
+
 # name: (function, the packages it needs, its time limit in seconds)
 PARTS = {
   "throughput": (part_throughput, ("ml_collections",), 200),
@@ -289,10 +318,14 @@ PARTS = {
   "long_context": (part_long_context, ("ml_collections",), 150),
   "first_step": (part_first_step, ("ml_collections", "datasets"), 300),
   "quickstart": (part_quickstart, ("ml_collections", "datasets"), 240),
+  "fallback": (part_fallback, ("ml_collections",), 180),
 }
 
 
 # ---- The table ----
+
+
+ROW = "@@row "  # a part's row on its stdout (the line's prefix)
 
 
 def _row(metric: str, value, note: str = "") -> dict:
@@ -314,14 +347,20 @@ def _missing(modules) -> list[str]:
   return [m for m in modules if importlib.util.find_spec(m) is None]
 
 
+def _part_cmd(name: str) -> list[str]:
+  """The command line of the child process that runs part `name`."""
+  return [sys.executable, "-m", "benchmarks.gpu_check", f"--serve={name}"] + (
+    ["--smoke"] if FLAGS.smoke else []
+  )
+
+
 def _run_part(name: str, limit: float, shared_cache: str) -> tuple[str, list[dict]]:
   """(status, rows) of one part, run in a child process within `limit` seconds.
 
   The parts that time our step share one compilation cache (`shared_cache`): the 32k sequence
   loads the model initialiser the throughput part compiled. first_step and quickstart time
   train.py with its own cache settings."""
-  cmd = [sys.executable, "-m", "benchmarks.gpu_check", f"--serve={name}"]
-  cmd += ["--smoke"] if FLAGS.smoke else []
+  cmd = _part_cmd(name)
   env = dict(os.environ)
   if name not in ("first_step", "quickstart"):
     env["JAX_COMPILATION_CACHE_DIR"] = shared_cache
@@ -332,15 +371,16 @@ def _run_part(name: str, limit: float, shared_cache: str) -> tuple[str, list[dic
   ) as p:  # fmt: skip
     try:
       stdout, stderr = p.communicate(timeout=limit)
+      status = "ok" if p.returncode == 0 else None
     except subprocess.TimeoutExpired:
       os.killpg(p.pid, signal.SIGKILL)
-      p.communicate()
-      return f"timed out after {limit:.0f} s", []
-  for line in stdout.splitlines():
-    if line.startswith("@@rows "):
-      return "ok", json.loads(line[len("@@rows ") :])
-  last = (stderr.strip().splitlines() or ["no output"])[-1]
-  return f"failed: {last[:160]}", []
+      stdout, stderr = p.communicate()  # what it printed before: the rows it finished
+      status = f"timed out after {limit:.0f} s"
+  rows = [json.loads(line[len(ROW) :]) for line in stdout.splitlines() if line.startswith(ROW)]
+  if status is None:
+    last = (stderr.strip().splitlines() or ["no output"])[-1]
+    status = f"failed: {last[:160]}"
+  return status, rows
 
 
 def check_smoke(results: dict) -> list[str]:
@@ -372,8 +412,8 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   sizes = SMOKE if FLAGS.smoke else FULL
   if FLAGS.serve:
-    rows = PARTS[FLAGS.serve][0](sizes)
-    print("@@rows " + json.dumps(rows), flush=True)
+    for row in PARTS[FLAGS.serve][0](sizes):  # a list, or a generator's rows as they come
+      print(ROW + json.dumps(row), flush=True)
     return
   names = FLAGS.parts or list(PARTS)
   if unknown := [n for n in names if n not in PARTS]:

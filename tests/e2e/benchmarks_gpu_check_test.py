@@ -10,7 +10,7 @@ import sys
 from roformer.testing import REPO
 
 # The parts that need nothing beyond requirements.txt: these must run, not be skipped.
-CORE_PARTS = ("throughput", "long_context", "first_step", "cudnn", "quickstart")
+CORE_PARTS = ("throughput", "long_context", "first_step", "cudnn", "quickstart", "fallback")
 
 
 def test_gpu_check_smoke_runs_every_part_and_checks_its_table(tmp_path):
@@ -32,6 +32,31 @@ def test_gpu_check_smoke_runs_every_part_and_checks_its_table(tmp_path):
   metrics = {row["metric"] for part in parts.values() for row in part["rows"]}
   assert {"first step, cold s", "first step, warm s", "quickstart eval_loss"} <= metrics
   assert any(m.startswith("cudnn rope:") for m in metrics)  # the kernel auto gives RoPE on a GPU
+  # Each XLA kernel the fallback part compares, a row each.
+  assert {"fallback chunked, block 16 tokens/s", "fallback dense, block 16 tokens/s"} <= metrics
   for part in parts.values():  # each row printed as it came
     for row in part["rows"]:
       assert f"| {row['metric']}" in done.stdout, row["metric"]
+
+
+def test_a_part_stopped_at_its_limit_keeps_the_rows_it_printed(monkeypatch):
+  from benchmarks import gpu_check
+
+  # A part that prints one row, then hangs past its limit.
+  script = (
+    "import json, time; "
+    f"print({gpu_check.ROW!r} + json.dumps({{'metric': 'done', 'value': 1.0, 'note': ''}}), "
+    "flush=True); time.sleep(60)"
+  )
+  monkeypatch.setattr(gpu_check, "_part_cmd", lambda name: [sys.executable, "-c", script])
+  status, rows = gpu_check._run_part("hangs", limit=5, shared_cache="")
+  assert status == "timed out after 5 s"
+  assert rows == [{"metric": "done", "value": 1.0, "note": ""}]
+
+
+def test_a_failed_part_says_its_last_error_line(monkeypatch):
+  from benchmarks import gpu_check
+
+  script = "import sys; sys.exit('no GPU here')"
+  monkeypatch.setattr(gpu_check, "_part_cmd", lambda name: [sys.executable, "-c", script])
+  assert gpu_check._run_part("fails", limit=30, shared_cache="") == ("failed: no GPU here", [])
