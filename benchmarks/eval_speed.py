@@ -174,17 +174,7 @@ def main(argv):
   run_config = bench_step.run_config_or_exit(
     "eval_speed.py", config, keep_freed_memory=bench_step.keep_freed_memory(FLAGS.compare_hf)
   )
-  if FLAGS.compare_hf and (missing := hf_counterpart.missing()):
-    print(f"eval_speed.py: error: {missing}", file=sys.stderr)
-    sys.exit(1)
-  hf_device = "cpu"
-  if FLAGS.compare_hf:
-    try:
-      hf_device = hf_counterpart.torch_device(FLAGS.hf_device)
-    except ValueError as e:
-      print(f"eval_speed.py: error: {e}", file=sys.stderr)
-      sys.exit(1)
-    hf_counterpart.share_gpu_with_torch(hf_device)  # before JAX starts
+  hf_device = hf_counterpart.device_or_exit("eval_speed.py", FLAGS.compare_hf, FLAGS.hf_device)
   if run_config.model.kind != "decoder":
     print("eval_speed.py: error: model.kind must be 'decoder' (use configs/lm.py)", file=sys.stderr)
     sys.exit(1)

@@ -305,7 +305,9 @@ def part_fallback(sizes):
     trainer.run(1)
     seconds = trainer.run(sizes["steps"])
     tokens_per_sec = sizes["batch"] * sizes["seq_len"] * sizes["steps"] / seconds
-    note = f"compile {trainer.compile_seconds:.1f} s; {layers} layers, sinks, bf16"
+    note = (
+      f"compile {trainer.compile_seconds:.1f} s; {layers} layers, sinks, {run_config.model.dtype}"
+    )
     yield _row(f"fallback {impl}, block {block} tokens/s", tokens_per_sec, note)
 
 

@@ -17,6 +17,7 @@ PyTorch user chasing speed runs it.
 import contextlib
 import dataclasses
 import os
+import sys
 import time
 
 from benchmarks import bench_step
@@ -224,6 +225,23 @@ def torch_device(requested: str) -> str:
   return resolve_device(
     requested, cuda_available=available, jax_platforms=os.environ.get("JAX_PLATFORMS", "")
   )
+
+
+def device_or_exit(script: str, compare_hf: bool, requested: str) -> str:
+  """The torch device of a script's Hugging Face side ("cpu" without --compare_hf); exits with
+  one line on stderr when torch or transformers is missing or the device cannot be had. Call it
+  before JAX starts: a GPU shared with torch is set up here (`share_gpu_with_torch`)."""
+  if not compare_hf:
+    return "cpu"
+  try:
+    if why := missing():
+      raise ValueError(why)
+    device = torch_device(requested)
+  except ValueError as e:
+    print(f"{script}: error: {e}", file=sys.stderr)
+    sys.exit(1)
+  share_gpu_with_torch(device)
+  return device
 
 
 def share_gpu_with_torch(device: str) -> None:

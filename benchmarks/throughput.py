@@ -293,17 +293,7 @@ def main(argv):
   separate = FLAGS.compare_hf and not FLAGS.in_process
   keep = bench_step.keep_freed_memory(FLAGS.compare_hf and not separate)
   run_config = bench_step.run_config_or_exit("throughput.py", config, keep_freed_memory=keep)
-  if FLAGS.compare_hf and (missing := hf_counterpart.missing()):
-    print(f"throughput.py: error: {missing}", file=sys.stderr)
-    sys.exit(1)
-  hf_device = "cpu"
-  if FLAGS.compare_hf:
-    try:
-      hf_device = hf_counterpart.torch_device(FLAGS.hf_device)
-    except ValueError as e:
-      print(f"throughput.py: error: {e}", file=sys.stderr)
-      sys.exit(1)
-    hf_counterpart.share_gpu_with_torch(hf_device)
+  hf_device = hf_counterpart.device_or_exit("throughput.py", FLAGS.compare_hf, FLAGS.hf_device)
   try:
     result = benchmark(
       run_config,
