@@ -175,7 +175,8 @@ def compare_kernels(config, kernels) -> int:
       f"{'yes' if fits else 'NO'} |",
       flush=True,
     )
-  print("\n".join(reports))
+  if reports:
+    print("\n".join(reports))
   return status
 
 

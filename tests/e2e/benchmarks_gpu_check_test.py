@@ -39,24 +39,29 @@ def test_gpu_check_smoke_runs_every_part_and_checks_its_table(tmp_path):
       assert f"| {row['metric']}" in done.stdout, row["metric"]
 
 
-def test_a_part_stopped_at_its_limit_keeps_the_rows_it_printed(monkeypatch):
-  from benchmarks import gpu_check
-
-  # A part that prints one row, then hangs past its limit.
-  script = (
-    "import json, time; "
-    f"print({gpu_check.ROW!r} + json.dumps({{'metric': 'done', 'value': 1.0, 'note': ''}}), "
-    "flush=True); time.sleep(60)"
+def _run_part(part_script: str, limit: float) -> list:
+  """gpu_check._run_part's (status, rows) for a part whose process runs `part_script`, called in
+  a fresh interpreter (gpu_check defines absl flags that other benchmarks define too)."""
+  driver = (
+    "import json, sys\n"
+    "from benchmarks import gpu_check\n"
+    "gpu_check._part_cmd = lambda name: [sys.executable, '-c', sys.argv[1]]\n"
+    "print(json.dumps(gpu_check._run_part('part', limit=float(sys.argv[2]), shared_cache='')))\n"
   )
-  monkeypatch.setattr(gpu_check, "_part_cmd", lambda name: [sys.executable, "-c", script])
-  status, rows = gpu_check._run_part("hangs", limit=5, shared_cache="")
-  assert status == "timed out after 5 s"
-  assert rows == [{"metric": "done", "value": 1.0, "note": ""}]
+  done = subprocess.run(
+    [sys.executable, "-c", driver, part_script, str(limit)],
+    cwd=REPO, capture_output=True, text=True, timeout=120,
+  )  # fmt: skip
+  assert done.returncode == 0, done.stderr
+  return json.loads(done.stdout.splitlines()[-1])
 
 
-def test_a_failed_part_says_its_last_error_line(monkeypatch):
-  from benchmarks import gpu_check
+def test_a_part_stopped_at_its_limit_keeps_the_rows_it_printed():
+  # A part that prints one row, then hangs past its limit.
+  row = {"metric": "done", "value": 1.0, "note": ""}
+  script = f"import time; print('@@row ' + {json.dumps(row)!r}, flush=True); time.sleep(60)"
+  assert _run_part(script, limit=5) == ["timed out after 5 s", [row]]
 
-  script = "import sys; sys.exit('no GPU here')"
-  monkeypatch.setattr(gpu_check, "_part_cmd", lambda name: [sys.executable, "-c", script])
-  assert gpu_check._run_part("fails", limit=30, shared_cache="") == ("failed: no GPU here", [])
+
+def test_a_failed_part_says_its_last_error_line():
+  assert _run_part("import sys; sys.exit('no GPU here')", limit=30) == ["failed: no GPU here", []]

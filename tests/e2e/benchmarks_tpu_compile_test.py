@@ -45,3 +45,15 @@ def test_model_too_big_for_hbm_exits_non_zero():
   result = _compile("--config.model.emb_dim=16384", "--config.model.mlp_dim=262144")
   assert result.returncode == 2, result.stderr[-3000:]
   assert "does not fit the device memory" in result.stderr
+
+
+@pytest.mark.slow
+@needs_libtpu
+def test_memory_report_lists_the_largest_buffers_of_each_kernel():
+  result = _compile("--kernels=chunked,splash", "--memory_report=3")
+  assert result.returncode == 0, result.stderr[-3000:]
+  for kernel in ("chunked", "splash"):
+    table = result.stdout.split(f"{kernel}: largest buffers by shape, per device")[1]
+    rows = [line for line in table.splitlines()[3:] if line.startswith("| ")][:3]
+    assert len(rows) == 3, table  # shape | allocations | MiB
+    assert all(float(row.split("|")[3]) > 0 for row in rows), rows
