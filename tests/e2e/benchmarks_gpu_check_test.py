@@ -32,6 +32,8 @@ def test_gpu_check_smoke_runs_every_part_and_checks_its_table(tmp_path):
   metrics = {row["metric"] for part in parts.values() for row in part["rows"]}
   assert {"first step, cold s", "first step, warm s", "quickstart eval_loss"} <= metrics
   assert any(m.startswith("cudnn rope:") for m in metrics)  # the kernel auto gives RoPE on a GPU
+  # The long sequence at both sequence blocks of the position-wise layers.
+  assert {"ours 1 x long tokens/s", "ours 1 x long, seq block 64 tokens/s"} <= metrics
   # Each XLA kernel the fallback part compares, a row each.
   assert {"fallback chunked, block 16 tokens/s", "fallback dense, block 16 tokens/s"} <= metrics
   for part in parts.values():  # each row printed as it came
