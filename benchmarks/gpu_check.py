@@ -205,7 +205,6 @@ def part_first_step(sizes):
     "train.eval_max_tokens": 0,
     "train.checkpoint_every_steps": 0,
   }
-  rows = []
   with tempfile.TemporaryDirectory() as tmp:
     if not FLAGS.smoke:  # (seconds of imports a smoke run does without)
       from roformer import data as data_lib
@@ -216,12 +215,12 @@ def part_first_step(sizes):
     for name in ("cold", "warm"):  # a new run each time, with one compilation cache
       run = _train_cmd("lm.py", f"{tmp}/{name}", overrides, f"--compilation_cache_dir={tmp}/xla")
       seconds = _seconds_to_first_step(run, timeout=300)
-      rows.append(_row(f"first step, {name} s", seconds, "train.py start to step 1"))
-  return rows
+      yield _row(f"first step, {name} s", seconds, "train.py start to step 1")
 
 
 def part_cudnn(sizes):
-  """Each encoding `auto` sends to cuDNN: its bf16 loss and gradients against the oracle."""
+  """Each encoding `auto` sends to cuDNN: its bf16 loss and gradients against the oracle (rows
+  as each encoding is done)."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -240,7 +239,6 @@ def part_cudnn(sizes):
   q, k, v = (jnp.asarray(rng.standard_normal((B, L, H, K)), jnp.float32) for _ in range(3))
   pos = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
   kinds = SMOKE_ENCODINGS if FLAGS.smoke else tuple(POSENCS)
-  rows = []
   for kind in kinds:
     with nnx.use_eager_sharding(False):
       posenc = make_posenc(
@@ -269,9 +267,8 @@ def part_cudnn(sizes):
     err = lambda a, b: float(jnp.abs(a.astype(jnp.float32) - b).max() / jnp.abs(b).max())  # noqa: E731
     loss_err = err(got[0], want[0])
     grad_err = max(err(a, b) for a, b in zip(got[1], want[1], strict=True))
-    rows.append(_row(f"cudnn {kind}: loss rel err", loss_err, "mean(o^2), bf16 vs f32 oracle"))
-    rows.append(_row(f"cudnn {kind}: grad rel err", grad_err, "max over q, k, v"))
-  return rows
+    yield _row(f"cudnn {kind}: loss rel err", loss_err, "mean(o^2), bf16 vs f32 oracle")
+    yield _row(f"cudnn {kind}: grad rel err", grad_err, "max over q, k, v")
 
 
 # The cuDNN adapter in bfloat16 against the float32 oracle, relative to the largest magnitude (the
