@@ -5,7 +5,7 @@
   FLOPs per token, benchmarks/flops.py's count, over the chip's datasheet bf16 peak, else a
   measured matmul peak) and peak device memory; then LlamaForCausalLM of the same shape (torch
   AdamW, bf16 autocast), eager and through torch.compile, when torch and transformers are
-  installed (benchmarks/hf_counterpart.py);
+  installed (benchmarks/hf_counterpart.py), eager also on the long sequence below;
 - long_context: the same model on one 32,768-token sequence, then with its position-wise layers in
   sequence blocks of 8,192 tokens instead of 512;
 - first_step: seconds from `train.py` start to its first step, cold (an empty compilation
@@ -136,37 +136,49 @@ def part_long_context(sizes):
   yield from (row for row in rows if "memory" not in row["metric"])  # the peak of both runs
 
 
-def _hf(sizes, *, compile: bool) -> list[dict]:
+def _hf(sizes, *, compile: bool, seq_len: int, batch: int, suffix: str = "") -> list[dict]:
+  """Rows of LlamaForCausalLM's train step of our model's shape, on the GPU when torch sees one:
+  tokens/s, MFU and the peak memory of this run (the peak is reset first)."""
+  import gc
+
   import torch
 
   from benchmarks import flops as flops_lib
   from benchmarks import hf_counterpart
 
-  run_config = _run_config(sizes, seq_len=sizes["seq_len"], batch=sizes["batch"])
+  run_config = _run_config(sizes, seq_len=seq_len, batch=batch)
   device = "cuda" if torch.cuda.is_available() else "cpu"
+  gc.collect()  # an earlier trainer's tensors
+  if device == "cuda":
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
   counterpart = hf_counterpart.hf_counterpart(run_config)
   trainer = hf_counterpart.TorchTrainer(run_config, counterpart, device=device, compile=compile)
   trainer.run(2)  # torch.compile compiles here
   seconds = trainer.run(sizes["steps"])
-  tokens_per_sec = sizes["batch"] * sizes["seq_len"] * sizes["steps"] / seconds
+  tokens_per_sec = batch * seq_len * sizes["steps"] / seconds
   kind = torch.cuda.get_device_name() if device == "cuda" else "cpu"
   peak, source = _peak(kind, run_config.model.dtype)
   flops = flops_lib.flops_per_token(run_config)
-  label = f"HF {counterpart.name}" + (" torch.compile" if compile else " eager")
+  label = f"HF {counterpart.name}" + (" torch.compile" if compile else " eager") + suffix
   memory = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
   return [
-    _row(f"{label} tokens/s", tokens_per_sec, f"{kind}, torch {torch.__version__}"),
+    _row(
+      f"{label} tokens/s", tokens_per_sec, f"{kind}, {batch} x {seq_len}, torch {torch.__version__}"
+    ),
     _row(f"{label} MFU", flops * tokens_per_sec / peak, source),
     _row(f"{label} peak memory GiB", memory, "torch.cuda.max_memory_allocated"),
   ]
 
 
 def part_hf_eager(sizes):
-  return _hf(sizes, compile=False)
+  """LlamaForCausalLM eager at 16 x 2048, then on one long sequence (long_context's shape)."""
+  yield from _hf(sizes, compile=False, seq_len=sizes["seq_len"], batch=sizes["batch"])
+  yield from _hf(sizes, compile=False, seq_len=sizes["long"], batch=1, suffix=" 1 x long")
 
 
 def part_hf_compile(sizes):
-  return _hf(sizes, compile=True)
+  return _hf(sizes, compile=True, seq_len=sizes["seq_len"], batch=sizes["batch"])
 
 
 def _train_cmd(config: str, workdir: str, overrides: dict, *extra: str) -> list[str]:
@@ -324,7 +336,7 @@ def part_fallback(sizes):
 # name: (function, the packages it needs, its time limit in seconds)
 PARTS = {
   "throughput": (part_throughput, ("ml_collections",), 200),
-  "hf_eager": (part_hf_eager, ("ml_collections", "torch", "transformers"), 90),
+  "hf_eager": (part_hf_eager, ("ml_collections", "torch", "transformers"), 120),
   "hf_compile": (part_hf_compile, ("ml_collections", "torch", "transformers"), 150),
   "cudnn": (part_cudnn, (), 120),
   "long_context": (part_long_context, ("ml_collections",), 150),
