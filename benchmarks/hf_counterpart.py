@@ -205,9 +205,9 @@ def define_device_flag() -> None:
 
 
 def resolve_device(requested: str, *, cuda_available: bool, jax_platforms: str) -> str:
-  """ "cpu" or "cuda" for --hf_device=`requested`; `jax_platforms` is $JAX_PLATFORMS. Decided
-  without starting JAX, whose GPU client would take most of the GPU's memory in this process.
-  Raises ValueError for cuda that torch cannot see."""
+  """The device, "cpu" or "cuda", of --hf_device=`requested`; `jax_platforms` is $JAX_PLATFORMS.
+  Decided without starting JAX, whose GPU client would take most of the GPU's memory in this
+  process. Raises ValueError for cuda that torch cannot see."""
   if requested == "cuda" and not cuda_available:
     raise ValueError("--hf_device=cuda: torch sees no CUDA device (torch.cuda.is_available())")
   if requested != "auto":
