@@ -70,16 +70,16 @@ SMOKE_FALLBACK = (("chunked", 16), ("dense", 16))
 # ---- Parts (each runs in a child process: `--serve=NAME`) ----
 
 
-def _run_config(sizes: dict, *, seq_len: int, batch: int, **extra):
-  """The 12 x 768 decoder's run config (tiny under --smoke); `extra`: {"group__field": value}."""
+def _run_config(sizes: dict, *, seq_len: int, batch: int, overrides: dict | None = None):
+  """The 12 x 768 decoder's run config (tiny under --smoke), with `overrides` ({"group.field":
+  value}) last."""
   from benchmarks import bench_step
   from configs import lm
 
   config = lm.get_config()
-  overrides = {**bench_step.LLAMA_12x768, **(SMOKE_MODEL if FLAGS.smoke else {})}
-  overrides |= {"data.seq_len": seq_len, "train.global_batch_size": batch}
-  overrides |= {name.replace("__", "."): value for name, value in extra.items()}
-  for name, value in overrides.items():
+  fields = {**bench_step.LLAMA_12x768, **(SMOKE_MODEL if FLAGS.smoke else {})}
+  fields |= {"data.seq_len": seq_len, "train.global_batch_size": batch, **(overrides or {})}
+  for name, value in fields.items():
     bench_step.apply_overrides(config, {name: value})
   return bench_step.run_config(config)
 
@@ -93,19 +93,26 @@ def _peak(kind: str, dtype: str) -> tuple[float, str]:
   return flops_lib.measure_peak(1024 if FLAGS.smoke else 4096, dtype), "measured matmul"
 
 
-def _ours(sizes: dict, *, seq_len: int, batch: int, label: str, **extra) -> list[dict]:
-  """Rows of our train step's speed, MFU, compile time and peak memory (`extra`: overrides as
+def _timed(run_config, steps: int) -> tuple[float, float]:
+  """(tokens/s over `steps` train steps after one untimed step, compile seconds)."""
+  from benchmarks import bench_step
+
+  trainer = bench_step.JaxTrainer(run_config)
+  trainer.run(1)
+  seconds = trainer.run(steps)
+  tokens = run_config.train.global_batch_size * run_config.data.seq_len * steps
+  return tokens / seconds, trainer.compile_seconds
+
+
+def _ours(sizes: dict, *, seq_len: int, batch: int, label: str, overrides=None) -> list[dict]:
+  """Rows of our train step's speed, MFU, compile time and peak memory (`overrides` as
   `_run_config` takes them). The memory is the process's peak so far: run this first."""
   import jax
 
-  from benchmarks import bench_step
   from benchmarks import flops as flops_lib
 
-  run_config = _run_config(sizes, seq_len=seq_len, batch=batch, **extra)
-  trainer = bench_step.JaxTrainer(run_config)
-  trainer.run(1)
-  seconds = trainer.run(sizes["steps"])
-  tokens_per_sec = batch * seq_len * sizes["steps"] / seconds
+  run_config = _run_config(sizes, seq_len=seq_len, batch=batch, overrides=overrides)
+  tokens_per_sec, compile_seconds = _timed(run_config, sizes["steps"])
   device = jax.devices()[0]
   peak, source = _peak(device.device_kind, run_config.model.dtype)
   flops = flops_lib.flops_per_token(run_config)
@@ -115,7 +122,7 @@ def _ours(sizes: dict, *, seq_len: int, batch: int, label: str, **extra) -> list
   return [
     _row(f"{label} tokens/s", tokens_per_sec, where),
     _row(f"{label} MFU", flops * tokens_per_sec / peak, f"{flops / 1e9:.3f} GFLOP/token, {source}"),
-    _row(f"{label} compile s", trainer.compile_seconds, "the train step"),
+    _row(f"{label} compile s", compile_seconds, "the train step"),
     _row(f"{label} peak memory GiB", memory / 2**30 if memory else None, "device peak in use"),
   ]
 
@@ -132,7 +139,8 @@ def part_long_context(sizes):
   yield from _ours(sizes, seq_len=sizes["long"], batch=1, label="ours 1 x long")
   block = sizes["long_block"]
   label = f"ours 1 x long, seq block {block}"
-  rows = _ours(sizes, seq_len=sizes["long"], batch=1, label=label, model__attention_block=block)
+  blocks = {"model.attention_block": block}
+  rows = _ours(sizes, seq_len=sizes["long"], batch=1, label=label, overrides=blocks)
   yield from (row for row in rows if "memory" not in row["metric"])  # the peak of both runs
 
 
@@ -147,7 +155,7 @@ def _hf(sizes, *, compile: bool, seq_len: int, batch: int, suffix: str = "") -> 
   from benchmarks import hf_counterpart
 
   run_config = _run_config(sizes, seq_len=seq_len, batch=batch)
-  device = "cuda" if torch.cuda.is_available() else "cpu"
+  device = hf_counterpart.torch_device("auto")  # cuda where JAX would take the GPU too
   gc.collect()  # an earlier trainer's tensors
   if device == "cuda":
     torch.cuda.empty_cache()
@@ -315,21 +323,15 @@ def part_quickstart(sizes):
 def part_fallback(sizes):
   """Where cuDNN refuses a call (sink logits: model.attention_sinks), each XLA kernel and block
   trains a 4-layer model of the 12 x 768 decoder's width; yields a row per kernel as it is done."""
-  from benchmarks import bench_step
-
   layers = 1 if FLAGS.smoke else 4
   for impl, block in SMOKE_FALLBACK if FLAGS.smoke else FALLBACK:
+    overrides = {"model.num_layers": layers, "model.attention_sinks": True,
+                 "model.attention_impl": impl, "model.attention_block": block}  # fmt: skip
     run_config = _run_config(
-      sizes, seq_len=sizes["seq_len"], batch=sizes["batch"], model__num_layers=layers,
-      model__attention_sinks=True, model__attention_impl=impl, model__attention_block=block,
-    )  # fmt: skip
-    trainer = bench_step.JaxTrainer(run_config)
-    trainer.run(1)
-    seconds = trainer.run(sizes["steps"])
-    tokens_per_sec = sizes["batch"] * sizes["seq_len"] * sizes["steps"] / seconds
-    note = (
-      f"compile {trainer.compile_seconds:.1f} s; {layers} layers, sinks, {run_config.model.dtype}"
+      sizes, seq_len=sizes["seq_len"], batch=sizes["batch"], overrides=overrides
     )
+    tokens_per_sec, compile_seconds = _timed(run_config, sizes["steps"])
+    note = f"compile {compile_seconds:.1f} s; {layers} layers, sinks, {run_config.model.dtype}"
     yield _row(f"fallback {impl}, block {block} tokens/s", tokens_per_sec, note)
 
 

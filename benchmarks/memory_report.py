@@ -22,7 +22,7 @@ import re
 # One allocation: "cumulative(pct%); size; offset; n_values; shapes". Sizes as XLA prints them.
 _LINE = re.compile(r"^\s*\S+\(\s*\d+%\);\s*([\d.]+)(B|KiB|MiB|GiB);\s*\d+;\s*\d+;\s*(.*)$")
 _UNIT = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
-_SHAPE = re.compile(r"^(?:(\d+)×)?([a-z]+\d*)\[([\d,]*)\]")
+_SHAPE = re.compile(r"^(?:\d+×)?(([a-z]+\d*)\[([\d,]*)\])")  # "5×f32[64,512]": f32[64,512]
 _BITS = re.compile(r"(\d+)$")
 
 
@@ -40,9 +40,9 @@ def allocations(report_path: str) -> list[tuple[int, str]]:
       if not (m := _LINE.match(line)):
         continue
       size = round(float(m.group(1)) * _UNIT[m.group(2)])
-      shapes = [s.group(0).split("×")[-1] for v in m.group(3).split(", ") if (s := _SHAPE.match(v))]
-      largest = max(shapes, key=lambda s: _value_bytes(*_SHAPE.match(s).group(2, 3)), default="?")
-      rows.append((size, largest))
+      values = [s for v in m.group(3).split(", ") if (s := _SHAPE.match(v))]
+      largest = max(values, key=lambda s: _value_bytes(s.group(2), s.group(3)), default=None)
+      rows.append((size, largest.group(1) if largest else "?"))
   return rows
 
 

@@ -11,6 +11,7 @@ from roformer.evals import plots, task_plots
 from roformer.evals.effective_length import RULER_THRESHOLD, EffectiveRule, task_effective_lengths
 from roformer.posenc.config import EXTENSION_FIELDS
 
+RULER = EffectiveRule(threshold=RULER_THRESHOLD)  # the task tables' "RULER's n" column
 TASK_COLUMNS = ("task", "run", "method", "length", "tokens", "exact_match", "token_accuracy")
 
 
@@ -78,8 +79,7 @@ def _task_table(task: str, records, rows) -> list[str]:
       cells.append(f"{float(row['exact_match']):.2f}" if row else "–")
     effective = ev["result"].get("effective_length", {}).get("exact_match", {})
     cells.append(_effective_n(effective))
-    ruler = EffectiveRule(threshold=RULER_THRESHOLD)
-    cells.append(_effective_n(task_effective_lengths(ev["result"], ruler)["exact_match"]))
+    cells.append(_effective_n(task_effective_lengths(ev["result"], RULER)["exact_match"]))
     settings = method_settings(ev["scaling"], ev["result"])
     lines.append(f"| {ev['scaling']} | {settings} | " + " | ".join(cells) + " |")
   return lines
