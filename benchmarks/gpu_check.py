@@ -15,7 +15,8 @@
   relative errors;
 - quickstart: `train.py --config=configs/quickstart.py`: seconds, the last train and eval loss;
 - fallback: what runs where cuDNN refuses a call (sink logits here): a 4-layer model of the same
-  width, 16 x 2048, through each XLA kernel and block (`FALLBACK`), tokens/s and compile seconds,
+  width, 16 x 2048, through each XLA kernel and block (`FALLBACK`; `dense` also unsplit, as the
+  plain one-block formulation), tokens/s and compile seconds,
   so that the platform's choice is made on numbers (docs/gpu.md).
 
 Each part runs in a process of its own (its own device memory; JAX or PyTorch alone on the GPU),
@@ -63,8 +64,12 @@ SMOKE_MODEL = {"model.num_layers": 1, "model.emb_dim": 32, "model.num_heads": 2,
 SMOKE_ENCODINGS = ("rope", "alibi", "t5")  # one of each way to the logits cuDNN takes
 # (model.attention_impl, model.attention_block) of the fallback part, today's `auto` choice first
 # (chunked at the default block); the block also sets the MLP's sequence block (Block's seqwise).
-FALLBACK = (("chunked", 512), ("chunked", 1024), ("chunked", 256), ("dense", 512))
-SMOKE_FALLBACK = (("chunked", 16), ("dense", 16))
+# "dense unsplit" is `dense` with causal attention in one [L, S] block (the plain formulation: one
+# pair of GEMMs a layer) instead of its causal query blocks, which skip the masked keys' work and
+# were sized for XLA:CPU's GEMMs (`dense.CAUSAL_MAX_BLOCKS`).
+FALLBACK = (("chunked", 512), ("chunked", 1024), ("chunked", 256), ("dense", 512),
+            ("dense unsplit", 512))  # fmt: skip
+SMOKE_FALLBACK = (("chunked", 16), ("dense", 16), ("dense unsplit", 16))
 
 
 # ---- Parts (each runs in a child process: `--serve=NAME`) ----
@@ -323,8 +328,14 @@ def part_quickstart(sizes):
 def part_fallback(sizes):
   """Where cuDNN refuses a call (sink logits: model.attention_sinks), each XLA kernel and block
   trains a 4-layer model of the 12 x 768 decoder's width; yields a row per kernel as it is done."""
+  from roformer.nn.attention.kernels import dense
+
   layers = 1 if FLAGS.smoke else 4
-  for impl, block in SMOKE_FALLBACK if FLAGS.smoke else FALLBACK:
+  split = dense.CAUSAL_MAX_BLOCKS
+  for name, block in SMOKE_FALLBACK if FLAGS.smoke else FALLBACK:
+    impl, _, variant = name.partition(" ")
+    # Read when the step is traced (in _timed), so it holds for this row's program only.
+    dense.CAUSAL_MAX_BLOCKS = 1 if variant == "unsplit" else split
     overrides = {"model.num_layers": layers, "model.attention_sinks": True,
                  "model.attention_impl": impl, "model.attention_block": block}  # fmt: skip
     run_config = _run_config(
@@ -332,7 +343,10 @@ def part_fallback(sizes):
     )
     tokens_per_sec, compile_seconds = _timed(run_config, sizes["steps"])
     note = f"compile {compile_seconds:.1f} s; {layers} layers, sinks, {run_config.model.dtype}"
-    yield _row(f"fallback {impl}, block {block} tokens/s", tokens_per_sec, note)
+    if impl == "dense":
+      note += f", {len(dense.causal_query_blocks(sizes['seq_len']))} causal query block(s)"
+    yield _row(f"fallback {name}, block {block} tokens/s", tokens_per_sec, note)
+  dense.CAUSAL_MAX_BLOCKS = split
 
 
 # name: (function, the packages it needs, its time limit in seconds)
@@ -344,7 +358,7 @@ PARTS = {
   "long_context": (part_long_context, ("ml_collections",), 150),
   "first_step": (part_first_step, ("ml_collections", "datasets"), 300),
   "quickstart": (part_quickstart, ("ml_collections", "datasets"), 240),
-  "fallback": (part_fallback, ("ml_collections",), 180),
+  "fallback": (part_fallback, ("ml_collections",), 240),
 }
 
 
