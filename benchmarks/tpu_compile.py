@@ -1,20 +1,27 @@
-"""Ahead-of-time compile of the real train step for a Cloud TPU topology, on any machine.
+"""Ahead-of-time compile of the real train step for a Cloud TPU slice or NVIDIA GPUs, on any
+machine.
 
-libtpu describes the devices of a (multi-host) TPU slice without a TPU; the train step is then
-jitted exactly as train.py jits it (same mesh, logical-axis rules, shardings and donation),
-lowered on abstract arrays and compiled for that slice. Prints the per-device memory XLA plans
-(arguments, temporaries, outputs not aliased to arguments, total) against the chip's HBM and
-exits non-zero when it does not fit. This is how MaxText's train_compile.py checks pod configs.
+libtpu describes the devices of a (multi-host) TPU slice without a TPU, and JAX's CUDA plugin
+those of GPUs it is told the properties of (benchmarks/gpu_targets.py) without a GPU; the train
+step is then jitted exactly as train.py jits it (same mesh, logical-axis rules, shardings and
+donation), lowered on abstract arrays and compiled for those devices. Prints the per-device
+memory XLA plans (arguments, temporaries, outputs not aliased to arguments, total) against the
+device's memory and exits non-zero when it does not fit. This is how MaxText's
+train_compile.py checks pod configs. A GPU compile here does not autotune (its compile time is
+a lower bound of the GPU's) and measures no speed.
 
   pip install -c requirements.txt "jax[tpu]==0.10.2"   # brings libtpu
   python -m benchmarks.tpu_compile --config=configs/lm.py --topology=v4:2x2x4 \
     [--config.mesh.data=... --config.mesh.fsdp=... --config.mesh.tensor=... --config.*=...]
+  pip install -c requirements.txt "jax-cuda13-plugin==0.10.2" "nvidia-cudnn-cu13==9.28.1.4"
+  python -m benchmarks.tpu_compile --config=configs/lm.py --topology=h100:8 [--config.*=...]
 
 `--kernels=chunked,splash,flash_bias` compiles the step once per attention kernel
 (model.attention_impl) and prints one row each: compile time and per-device memory, or the one
 line a kernel refuses the config with. `--memory_report=N` adds, per compile, the N array shapes
 holding the most memory in XLA's buffer assignment (a residual kept for the backward pass
-shows up as a shape repeated once per layer).
+shows up as a shape repeated once per layer). `--custom_calls` lists the fused kernels the
+step calls (benchmarks/custom_calls.py): cuDNN's attention with its mask type, Pallas kernels.
 
 Every --config.* override train.py takes works here. The vocabulary size is data.vocab_size (a
 trained tokenizer's size) or 261 for the bytes tokenizer, so no corpus is read.
@@ -28,10 +35,15 @@ import tempfile
 from absl import app, flags
 from ml_collections import config_flags
 
-from benchmarks import bench_step, memory_report
+from benchmarks import bench_step, custom_calls, gpu_targets, memory_report
 
 config_flags.DEFINE_config_file("config", None, "Training config file.", lock_config=True)
-flags.DEFINE_string("topology", "v4:2x2x4", "TPU slice, e.g. v4:2x2x4, v5e:4x4, v5p:2x2x2.")
+flags.DEFINE_string(
+  "topology",
+  "v4:2x2x4",
+  "TPU slice (v4:2x2x4, v5e:4x4, v5p:2x2x2) or NVIDIA GPUs: a100, h100, h200, with the GPUs "
+  "of one host (h100:8) or hosts x GPUs a host (h100:2x8).",
+)
 flags.DEFINE_enum(
   "chip_config",
   "auto",
@@ -51,6 +63,12 @@ flags.DEFINE_integer(
   "Also print the N shapes holding the most device memory in XLA's buffer assignment of the "
   "step (benchmarks/memory_report.py), per kernel; 0: none.",
 )
+flags.DEFINE_bool(
+  "custom_calls",
+  False,
+  "Also print the custom calls of the compiled step (benchmarks/custom_calls.py): cuDNN's fused "
+  "attention with its mask type, Pallas kernels; per kernel.",
+)
 flags.mark_flags_as_required(["config"])
 FLAGS = flags.FLAGS
 
@@ -66,9 +84,21 @@ HBM_PER_CHIP = {
 }
 
 
+def device_memory(device_kind: str) -> int:
+  """Memory of one device of this kind (bytes), 0 when unknown."""
+  return HBM_PER_CHIP.get(device_kind) or gpu_targets.memory_bytes(device_kind)
+
+
 def topology_devices(topology: str, chip_config: str):
-  """Compile-only devices of `topology`; raises RuntimeError with a clear message without libtpu."""
+  """Compile-only devices of `topology` (a TPU slice or GPUs); raises RuntimeError with a clear
+  message without libtpu or the CUDA plugin."""
   from jax.experimental import topologies
+
+  if gpu_targets.parse(topology) is not None:
+    try:
+      return gpu_targets.devices(topology)
+    except RuntimeError as e:
+      raise RuntimeError(f"--topology={topology}: {e}") from e
 
   if chip_config == "auto":
     chip_config = "megacore" if topology.split(":")[0] in ("v4", "v5p") else "default"
@@ -95,7 +125,7 @@ def main(argv):
     devices = topology_devices(FLAGS.topology, FLAGS.chip_config)
     with dump_dir() as dump:
       result = bench_step.compile_train_step(run_config, devices, dump)
-      report = dump and memory_report.table(dump, FLAGS.memory_report)
+      report = dump and reports(dump)
   except (config_lib.ConfigError, RuntimeError, ValueError) as e:
     print(f"tpu_compile.py: error: {e}", file=sys.stderr)
     sys.exit(1)
@@ -105,7 +135,7 @@ def main(argv):
     )
     sys.exit(2)
   kind = devices[0].device_kind
-  hbm = HBM_PER_CHIP.get(kind, 0)
+  hbm = device_memory(kind)
   hosts = len({d.process_index for d in devices})
   m = run_config.model
   rows = [
@@ -129,7 +159,7 @@ def main(argv):
   width = max(len(name) for name, _ in rows)
   print("\n".join(f"| {name:<{width}} | {value} |" for name, value in rows))
   if report:
-    print(f"\nLargest buffers by shape, per device:\n{report}")
+    print(report)
   if not fits:
     print(
       f"tpu_compile.py: error: {result['total_bytes'] / GIB:.2f} GiB per device does not fit the "
@@ -145,11 +175,11 @@ def compare_kernels(config, kernels) -> int:
   from roformer import config as config_lib
 
   devices = topology_devices(FLAGS.topology, FLAGS.chip_config)
-  hbm = HBM_PER_CHIP.get(devices[0].device_kind, 0)
+  hbm = device_memory(devices[0].device_kind)
   print(f"{FLAGS.topology}: {len(devices)} x {devices[0].device_kind}, {hbm / GIB:.0f} GiB each")
   print("| kernel | compile (s) | arguments (GiB) | temporaries (GiB) | total (GiB) | fits |")
   print("|---|---|---|---|---|---|")
-  status, reports = 0, []
+  status, tables = 0, []
   for kernel in kernels:
     variant = config.copy_and_resolve_references()
     with variant.unlocked():
@@ -158,8 +188,7 @@ def compare_kernels(config, kernels) -> int:
       with dump_dir() as dump:
         result = bench_step.compile_train_step(bench_step.run_config(variant), devices, dump)
         if dump:
-          reports.append(f"\n{kernel}: largest buffers by shape, per device\n")
-          reports.append(memory_report.table(dump, FLAGS.memory_report))
+          tables.append(reports(dump, f"{kernel}: "))
     except (config_lib.ConfigError, ValueError) as e:
       print(f"| {kernel} | refused: {str(e).splitlines()[0]} | | | | |", flush=True)
       continue
@@ -175,15 +204,27 @@ def compare_kernels(config, kernels) -> int:
       f"{'yes' if fits else 'NO'} |",
       flush=True,
     )
-  if reports:
-    print("\n".join(reports))
+  if tables:
+    print("".join(tables))
   return status
+
+
+def reports(dump: str, prefix: str = "") -> str:
+  """The tables --memory_report and --custom_calls ask for, of the step XLA dumped to `dump`."""
+  text = ""
+  if FLAGS.memory_report:
+    top = memory_report.table(dump, FLAGS.memory_report)
+    text += f"\n{prefix}largest buffers by shape, per device\n{top}\n"
+  if FLAGS.custom_calls:
+    text += f"\n{prefix}custom calls\n{custom_calls.table(dump)}\n"
+  return text
 
 
 @contextlib.contextmanager
 def dump_dir():
-  """A temporary directory for XLA's dump when --memory_report asks for one, else None."""
-  if not FLAGS.memory_report:
+  """A temporary directory for XLA's dump when --memory_report or --custom_calls asks for one,
+  else None."""
+  if not (FLAGS.memory_report or FLAGS.custom_calls):
     yield None
     return
   with tempfile.TemporaryDirectory(prefix="tpu_compile_") as path:
@@ -197,4 +238,8 @@ if __name__ == "__main__":
   # No TPU is opened, so several compiles may share the machine (libtpu otherwise holds a
   # machine-wide lockfile and refuses a second process).
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  # Compiling for described devices needs none of this machine's accelerators: the CPU backend
+  # alone, so that a CUDA plugin installed on a machine without a GPU (to compile for one) does
+  # not try to open one.
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
   app.run(main)

@@ -374,11 +374,14 @@ alibi = make_posenc(PosEncConfig(kind="alibi"), num_heads=4, head_dim=8, emb_dim
                     num_kv_heads=2, rngs=nnx.Rngs(0))
 folded = dict(bias_fn=alibi.bias, bias_factors_fn=alibi.bias_factors)
 put = lambda x: jax.device_put(x, NamedSharding(mesh, P("data", None, "tensor", None)))
+seg = jnp.broadcast_to(jnp.arange(100) // 30, (4, 100))  # 4 documents a row
 with jax.set_mesh(mesh):
   for label, kw in (("splash", dict(sink_H=sink)), ("flash_bias", dict(bias_fn=lambda a, b: ab)),
-                    ("splash_folded", folded)):
-    call = AttentionCall(causal=True, window=16, **kw)
-    fn = kernels.KERNELS[label.removesuffix("_folded")]
+                    ("splash_folded", folded), ("cudnn", dict(bias_fn=lambda a, b: ab)),
+                    ("cudnn_packed", dict(qseg_BL=seg, kseg_BS=seg, window=0))):
+    call = AttentionCall(**{"causal": True, "window": 16, **kw})
+    kernel = kernels.KERNELS[label.removesuffix("_folded").removesuffix("_packed")]
+    fn = kernel.emulated if kernel.name == "cudnn" else kernel  # cuDNN's call, run by XLA
     got = jax.jit(lambda q, k, v: fn(q, k, v, pos, pos, call))(put(q), put(k), put(v))
     print(label, float(jnp.abs(got - kernels.dense_attention(q, k, v, pos, pos, call)).max()))
 """
@@ -387,7 +390,8 @@ with jax.set_mesh(mesh):
 @pytest.mark.slow
 def test_fused_kernels_split_over_batch_and_heads_of_a_mesh():
   """Batch over data, heads (their sinks and bias rows) over tensor, by shard_map; ALiBi folded
-  into GQA keys repeated per query head."""
+  into GQA keys repeated per query head; cuDNN's call (through XLA's implementation) with a
+  bias of one batch row and with the mask of packed documents."""
   import subprocess
   import sys
 
@@ -396,7 +400,7 @@ def test_fused_kernels_split_over_batch_and_heads_of_a_mesh():
     capture_output=True, text=True, check=True, timeout=600,
   ).stdout  # fmt: skip
   errors = dict(line.split() for line in out.strip().splitlines())
-  assert set(errors) == {"splash", "flash_bias", "splash_folded"}
+  assert set(errors) == {"splash", "flash_bias", "splash_folded", "cudnn", "cudnn_packed"}
   assert all(float(e) < TOL for e in errors.values()), errors
 
 

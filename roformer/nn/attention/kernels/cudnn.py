@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from roformer.nn.attention.call import AttentionCall, Features
-from roformer.nn.attention.kernels import base
+from roformer.nn.attention.kernels import base, sharding
 from roformer.nn.attention.kernels.base import Kernel, needs_logits, refuse, register_kernel
 from roformer.nn.attention.kernels.padding import pad_axis
 from roformer.nn.attention.primitives import attention_mask, check_ranks
@@ -85,13 +85,30 @@ def cudnn_attention(
     kb_BHS = kb_BSH.astype(jnp.float32).transpose(0, 2, 1)
     rel_BHLS = kb_BHS[:, :, None, :] - kb_BHS[:, :, :, None]
     bias = rel_BHLS if bias is None else bias.astype(jnp.float32) + rel_BHLS
+  bias = None if bias is None else bias.astype(q_BLHK.dtype)
+
+  def run(q_BLHK, k_BSGK, v_BSGW, bias, mask_B1LS):
+    return jax.nn.dot_product_attention(
+      q_BLHK, k_BSGK, v_BSGW, bias=bias, mask=mask_B1LS, scale=1.0 / math.sqrt(K),
+      is_causal=causal, local_window_size=(window - 1, 0) if native_window else None,
+      implementation=implementation,
+    )  # fmt: skip
+
+  # Split over the mesh like the other opaque kernels (batch over data and fsdp, heads over
+  # tensor), not by the call's own partitioning rule: that rule wants q, k and v sharded alike,
+  # which XLA's sharding propagation does not promise (an FSDP mesh gave them different ones).
+  def split(x_B_LS, heads):  # logical dims of a bias or mask, [B or 1, H or 1, L, S]
+    if x_B_LS is None:
+      return (None,) * 4
+    return ("B" if x_B_LS.shape[0] == B else None, "H" if x_B_LS.shape[1] == heads else None,
+            None, None)  # fmt: skip
+
   W = max(K, V)  # values as wide as PoPE's keys
-  o_BLHW = jax.nn.dot_product_attention(
-    q_BLHK, k_BSGK, pad_axis(v_BSGV, 3, W),
-    bias=None if bias is None else bias.astype(q_BLHK.dtype), mask=mask_B1LS,
-    scale=1.0 / math.sqrt(K), is_causal=causal,
-    local_window_size=(window - 1, 0) if native_window else None,
-    implementation=implementation,
+  o_BLHW = sharding.shard(
+    run, sharding.mesh_specs(B, k_BSGK.shape[2]),
+    ((q_BLHK, ("B", None, "H", None)), (k_BSGK, ("B", None, "H", None)),
+     (pad_axis(v_BSGV, 3, W), ("B", None, "H", None)), (bias, split(bias, H)),
+     (mask_B1LS, split(mask_B1LS, H))),
   )  # fmt: skip
   return o_BLHW[..., :V]
 
