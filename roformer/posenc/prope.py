@@ -5,13 +5,18 @@ import jax.numpy as jnp
 
 
 def num_truncated(num_frequencies: int, rope_truncate: float) -> int:
-  """How many of the lowest frequencies stop rotating: floor(rope_truncate * d/2)."""
-  # The tiny epsilon keeps e.g. 0.3 * 10 = 2.9999... from losing a frequency to rounding.
-  return int(rope_truncate * num_frequencies + 1e-9)
+  """How many of the lowest frequencies stop rotating: d/2 - floor(p * d/2), p = 1 - rope_truncate.
+
+  The rotating ones are counted as Gemma's and Hugging Face's proportional RoPE count them
+  (`int(p * d/2)` kept), so a fraction that does not split d/2 evenly truncates the extra one:
+  head_dim 64 at rope_truncate=0.2 keeps 25 of 32 frequencies, not 26.
+  """
+  # The tiny epsilon keeps e.g. 0.7 * 10 = 6.9999... from losing a frequency to rounding.
+  return num_frequencies - int((1.0 - rope_truncate) * num_frequencies + 1e-9)
 
 
 def truncate_frequencies(inv_freq: jax.Array, rope_truncate: float) -> jax.Array:
-  """p-RoPE: the last floor(rope_truncate * d/2) inverse frequencies (the lowest) become 0.
+  """p-RoPE: the last `num_truncated` inverse frequencies (the lowest) become 0.
 
   RoPE's theta_i = b^(-2i/d) decrease with i, so the tail holds the lowest frequencies. A
   zero frequency is angle 0 at every position: those pairs pass through unrotated and act as

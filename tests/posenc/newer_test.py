@@ -122,6 +122,16 @@ def test_rope_truncate_zeroes_the_lowest_frequencies_and_leaves_their_dims_unrot
   np.testing.assert_allclose(np.asarray(q_rot)[0, 0, 0, :2], [c - 2 * s, 2 * c + s], rtol=1e-5)
 
 
+def test_rope_truncate_keeps_floor_p_of_the_frequencies_as_gemma_and_hf_do():
+  # p = 1 - rope_truncate; HF's proportional RoPE (Gemma) rotates int(p * d/2) frequencies.
+  for head_dim, truncate, kept in ((64, 0.2, 25), (128, 0.1, 57), (10, 0.5, 2), (64, 0.25, 24),
+                                   (10, 0.3, 3), (16, 0.0, 8)):  # fmt: skip
+    inv_freq, _ = make("rope", head_dim=head_dim, num_heads=1, rope_truncate=truncate).frequencies(
+      pos(0)
+    )
+    assert int(np.count_nonzero(np.asarray(inv_freq))) == kept, (head_dim, truncate)
+
+
 def test_rope_truncate_is_refused_for_non_rotary_encodings():
   with pytest.raises(ValueError, match="posenc.rope_truncate"):
     make("alibi", rope_truncate=0.25)
