@@ -6,6 +6,8 @@ import pathlib
 import statistics
 import time
 
+from configs import llama_12x768
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 # The tokenizer's vocabulary size, without training one: bytes has 261 ids.
@@ -21,23 +23,8 @@ SMOKE_MODEL = {
 }
 
 
-# The 12-layer, 768-wide Llama-style decoder of the GPU figures (docs/gpu.md), on configs/lm.py:
-# SwiGLU 2048, RMSNorm, no biases, untied embeddings, bf16 compute with float32 parameters.
-LLAMA_12x768 = {
-  "model.num_layers": 12,
-  "model.emb_dim": 768,
-  "model.num_heads": 12,
-  "model.mlp_dim": 2048,
-  "model.activation": "swiglu",
-  "model.norm": "rmsnorm",
-  "model.use_bias": False,
-  "model.tie_embeddings": False,
-  "model.dropout_rate": 0.0,
-  "model.dtype": "bfloat16",
-  "posenc.kind": "rope",
-  "posenc.rope_layout": "half",
-  "data.tokenizer": "bytes",
-}
+# The 12-layer, 768-wide Llama-style decoder of the GPU figures, as overrides of configs/lm.py.
+LLAMA_12x768 = llama_12x768.FIELDS
 
 
 def median_seconds(fn, repeats: int, *, warmup: bool = True) -> float:

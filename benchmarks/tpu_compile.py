@@ -240,6 +240,10 @@ if __name__ == "__main__":
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   # Compiling for described devices needs none of this machine's accelerators: the CPU backend
   # alone, so that a CUDA plugin installed on a machine without a GPU (to compile for one) does
-  # not try to open one.
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  # not try to open one, which would leave it unable to describe GPUs. (jax is imported by now,
+  # so the setting goes to its config, read when the first backend starts.)
+  if "JAX_PLATFORMS" not in os.environ:
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
   app.run(main)
