@@ -4,7 +4,9 @@ The logic lives in roformer/train/ (loop.py drives a run).
 """
 
 import os
+import re
 import sys
+import traceback
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -12,6 +14,7 @@ from ml_collections import config_flags
 from roformer.infra import compile_cache
 
 FLAGS = flags.FLAGS
+_REPO = os.path.dirname(os.path.realpath(__file__))
 config_flags.DEFINE_config_file(
   "config",
   None,
@@ -103,11 +106,16 @@ def _parse_flags(argv):
   except SyntaxError as e:  # raised while ml_collections imports the config file
     where = f"line {e.lineno}" + (f", column {e.offset}" if e.offset else "")
     _error(f"--config={e.filename}: {e.msg} ({where}): the config file is not valid Python")
-  except (AttributeError, KeyError, TypeError, ValueError) as e:  # raised by ml_collections
+  except (AttributeError, ImportError, KeyError, TypeError, ValueError) as e:
     text = " ".join(str(e).replace("\\n", " ").replace("\\'", "'").split()).strip("'\"")
+    if (where := _raised_in_users_code(e)) is not None:  # the config file, or what it imports
+      hint = " (is its directory on PYTHONPATH?)" if isinstance(e, ImportError) else ""
+      _error(f"{where}: {type(e).__name__}: {' '.join(str(e).split())}{hint}")
     overrides = [a.split("=")[0][2:] for a in argv[1:] if a.startswith("--config.")]
-    if isinstance(e, AttributeError | KeyError):  # the message starts with the unknown name
-      missing = text.split()[0].strip("'\"") if text else ""
+    if isinstance(e, AttributeError | KeyError):  # ml_collections: an unknown name
+      # 'Key "NAME" does not exist ...' (set in a config file) or 'NAME ...' (an override).
+      m = re.match(r'Key "([^"]+)"', text)
+      missing = m.group(1) if m else (text.split()[0].strip("'\"") if text else "")
       hint = text[text.find("Did you mean") :].rstrip("'\"") if "Did you mean" in text else ""
       hint = f"; {hint}" if hint else ""
       for override in overrides:
@@ -116,9 +124,54 @@ def _parse_flags(argv):
           kind = "group" if parts.index(missing) == 0 and len(parts) > 1 else "field"
           name = ".".join(parts[: parts.index(missing) + 1])
           _error(f"--{override}: {name} is not a config {kind}{hint}")
-      _error(f"{missing or text} is not a config field{hint}")
+      group = _group_listed(text)
+      if group == "posenc" and not hint:
+        hint += (
+          "; an encoding's own fields exist once the module that registers it is imported: "
+          "import it in the config file (docs/extending.md)"
+        )
+      name = f"{group}.{missing}" if group else missing or text
+      _error(f"--config={_config_path(argv)}: {name} is not a config field{hint}")
     culprit = next((o for o in overrides if o.rsplit(".", 1)[-1] in text), "config")
     _error(f"--{culprit}: {text}")
+
+
+def _config_path(argv) -> str:
+  """The --config file of the command line (without its :ARG)."""
+  for i, arg in enumerate(argv[1:], start=1):
+    if arg == "--config" and i + 1 < len(argv):
+      return argv[i + 1].split(":", 1)[0]
+    if arg.startswith("--config="):
+      return arg.split("=", 1)[1].split(":", 1)[0]
+  return "?"
+
+
+def _raised_in_users_code(e: Exception) -> str | None:
+  """ "FILE, line N" where `e` was raised when that is neither ml_collections nor this project
+  (a mistake in the config file or a module of the user's it imports), else None."""
+  frames = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith("<")]
+  if not frames:  # e.g. raised inside importlib itself
+    return None
+  last = frames[-1]
+  path = os.path.realpath(last.filename)
+  ours = (os.path.join(_REPO, "roformer") + os.sep, os.sep + "ml_collections" + os.sep)
+  if any(part in path for part in ours):
+    return None
+  return f"{last.filename}, line {last.lineno}" + (f" ({last.line})" if last.line else "")
+
+
+def _group_listed(text: str) -> str | None:
+  """The config group whose fields ml_collections lists after an unknown name ("Other fields
+  present: {...}"): the group of configs/default.py sharing the most of them."""
+  listed = set(re.findall(r"'(\w+)': ", text.partition("Other fields present")[2]))
+  if not listed:
+    return None
+  from configs import default
+
+  config = default.get_config()
+  groups = [g for g in config if hasattr(config[g], "keys")]
+  best = max(groups, key=lambda g: len(listed & set(config[g].keys())), default=None)
+  return best if best and listed & set(config[best].keys()) else None
 
 
 def main(argv):

@@ -20,6 +20,7 @@ from roformer.fields import param
 from roformer.hf.decoders import DECODER_MODEL_TYPES
 from roformer.infra.sharding import MESH_AXES, MeshConfig
 from roformer.infra.workdir import CONFIG_FILE, read_config_json
+from roformer.nn.attention.kernels import base as kernel_base
 from roformer.nn.config import ModelConfig, unsupported_length
 from roformer.posenc import registry
 from roformer.posenc.config import ContextExtension, PosEncConfig, RopeScaling
@@ -439,9 +440,14 @@ def to_dict(run_config: RunConfig) -> dict:
     "train": dataclasses.asdict(run_config.train),
     "mesh": json.loads(json.dumps(dataclasses.asdict(run_config.mesh))),
   }
-  if modules := registry.plugin_modules():
+  if modules := plugin_modules():
     values[IMPORTS_KEY] = list(modules)
   return values
+
+
+def plugin_modules() -> tuple[str, ...]:
+  """The modules outside roformer that registered encodings or attention kernels."""
+  return tuple(sorted({*registry.plugin_modules(), *kernel_base.plugin_modules()}))
 
 
 def _flatten(tree: Mapping, prefix: str = "") -> dict:
@@ -515,7 +521,10 @@ def check_resume(old: Mapping, new: RunConfig) -> None:
 
 def write_config_json(workdir: str | epath.Path, run_config: RunConfig) -> None:
   try:  # eval.py and generate.py must be able to import them again
-    registry.check_importable(registry.plugin_modules())
+    defined = registry.kinds_by_module()
+    for module, names in kernel_base.plugin_modules().items():
+      defined.setdefault(module, []).extend(names)
+    registry.check_importable(plugin_modules(), defined)
   except ValueError as e:
     raise ConfigError(str(e)) from None
   path = epath.Path(workdir)

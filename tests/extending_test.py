@@ -146,3 +146,96 @@ def test_a_workdir_whose_encoding_module_is_gone_says_which_module_to_put_on_the
   result = _run("eval.py", f"--workdir={workdir}", "--lengths=16", "--max_tokens=32", cwd=project)
   assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
   assert "module 'gauss_bias'" in result.stderr and "PYTHONPATH" in result.stderr
+
+
+# Mistakes in a user's own project: each one line on stderr that says where, no traceback, and
+# no run started. (config file text, the module the config imports or None, what the line says)
+_OWN_MODULE = """
+from roformer import posenc
+
+
+@posenc.register("mistyped")
+class Mistyped(posenc.PosEnc):
+  import dataclasses
+
+  @dataclasses.dataclass(frozen=True)
+  class Fields(posenc.PosEnc.Fields):
+    mistyped_width: float = posenc.parm(1.0, "a typo of param")
+"""
+_INLINE_ENCODING = """
+import jax.numpy as jnp
+from roformer import posenc
+
+
+@posenc.register("inline")
+class Inline(posenc.PosEnc):
+  def bias(self, qpos_BL, kpos_BS):
+    return jnp.zeros((qpos_BL.shape[0], self.num_heads, qpos_BL.shape[1], kpos_BS.shape[1]))
+"""
+_MISTAKES = {
+  "field_without_the_import": (
+    CONFIG.format(imports="", field="  config.posenc.gauss_init_sigma = 4.0"), None,
+    ["posenc.gauss_init_sigma is not a config field", "import it in the config file"],
+  ),
+  "misspelt_field_in_the_file": (
+    CONFIG.format(field="  config.model.num_layerz = 2", **{"imports": WITH_IMPORT["imports"]}),
+    None, ["model.num_layerz is not a config field", 'Did you mean "num_layers"'],
+  ),
+  "typo_in_the_users_module": (
+    "import own_module\nfrom configs import default\nget_config = default.get_config\n",
+    _OWN_MODULE, ["own_module.py, line 11", "AttributeError", "has no attribute 'parm'"],
+  ),
+  "encoding_defined_in_the_config_file": (
+    _INLINE_ENCODING + "from configs import default\n\n\ndef get_config():\n"
+    "  config = default.get_config()\n  config.posenc.kind = 'inline'\n  return config\n",
+    None, ["posenc.kind 'inline' defined in", "could not import again"],
+  ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(_MISTAKES))
+def test_a_mistake_in_the_users_project_is_one_line_saying_where(tmp_path, case):
+  config, module, expected = _MISTAKES[case]
+  project = _project(tmp_path, **WITH_IMPORT)
+  (project / "gauss_config.py").write_text(config)
+  if module is not None:
+    (project / "own_module.py").write_text(module)
+  result = _train(project, tmp_path / "run", **{"train.num_train_steps": 1})
+  assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+  errors = [line for line in result.stderr.splitlines() if line.startswith("train.py: error:")]
+  assert len(errors) == 1, result.stderr[-3000:]
+  for text in expected:
+    assert text in errors[0], errors[0]
+  assert not (tmp_path / "run" / "config.json").exists()
+
+
+KERNEL_MODULE = """
+from roformer.nn.attention.kernels import Kernel, register_kernel
+from roformer.nn.attention.oracle import reference_attention
+
+register_kernel(Kernel("mine", None, lambda features: None, reference_attention))
+"""
+
+
+@pytest.mark.slow
+def test_a_kernel_of_the_users_own_is_recorded_and_eval_and_generate_open_its_run(tmp_path):
+  project = _project(tmp_path, **WITH_IMPORT)
+  (project / "my_kernels.py").write_text(KERNEL_MODULE)
+  (project / "gauss_config.py").write_text(
+    "import my_kernels\nfrom configs import default\n\n\ndef get_config():\n"
+    "  config = default.get_config()\n  config.model.attention_impl = 'mine'\n  return config\n"
+  )
+  workdir = tmp_path / "run"
+  result = _train(project, workdir, **{"train.num_train_steps": 2, "model.attention_impl": "mine"})
+  assert result.returncode == 0, result.stderr[-3000:]
+  saved = json.loads((workdir / "config.json").read_text())
+  assert saved["model"]["attention_impl"] == "mine" and saved["imports"] == ["my_kernels"]
+  result = _run(
+    "eval.py", f"--workdir={workdir}", "--lengths=16", "--max_tokens=32", "--out=mine", cwd=project
+  )
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert json.loads((workdir / "eval" / "mine.json").read_text())["records"][0]["loss"] > 0
+  result = _run(
+    "generate.py", f"--workdir={workdir}", "--prompt=def ", "--max_new_tokens=4", cwd=project
+  )
+  assert result.returncode == 0, result.stderr[-3000:]

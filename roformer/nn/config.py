@@ -237,7 +237,12 @@ def validate_model(cfg: ModelConfig) -> None:
   _check_choice("model.norm", cfg.norm, NORMS)
   _check_choice("model.dtype", cfg.dtype, DTYPES)
   _check_choice("model.param_dtype", cfg.param_dtype, DTYPES)
-  _check_choice("model.attention_impl", cfg.attention_impl, KERNELS)
+  if cfg.attention_impl not in KERNELS:
+    raise ValueError(
+      f"model.attention_impl={cfg.attention_impl!r} is not one of {list(KERNELS)}; a kernel of "
+      "your own registers with roformer.nn.attention.kernels.register_kernel in a module that "
+      "the config file imports (docs/extending.md#an-attention-kernel)"
+    )
   _check_choice("model.embed_scale", cfg.embed_scale, EMBED_SCALES)
   _check_choice("model.attention_window_kind", cfg.attention_window_kind, WINDOW_KINDS)
   _check_choice("model.remat", cfg.remat, REMAT_POLICIES)

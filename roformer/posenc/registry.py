@@ -20,8 +20,8 @@ under "imports", so eval.py and generate.py import it again when they open the w
 """
 
 import importlib
-import importlib.util
 import re
+import sys
 
 from roformer.posenc.base import PosEnc
 from roformer.posenc.config import declare_fields, encoding_fields, fields_of
@@ -80,33 +80,53 @@ def unknown_kind_message(kind: str, field: str = "posenc.kind") -> str:
 
 
 def plugin_modules() -> tuple[str, ...]:
-  """The modules outside roformer that registered encodings: what a workdir records so that
-  eval.py and generate.py can import them again."""
+  """The modules outside roformer that registered encodings (with the attention kernels' of
+  `kernels.base.plugin_modules`, what a workdir records so that eval.py and generate.py can
+  import them again)."""
   modules = {cls.__module__ for cls in POSENCS.values()}
   return tuple(sorted(m for m in modules if not m.startswith(_BUILTIN_PACKAGE)))
 
 
-def check_importable(modules: tuple[str, ...]) -> None:
-  """Raises ValueError for a module that a later process could not import by its name (an
-  encoding defined in a config file or a script)."""
+def importable(module: str) -> bool:
+  """Whether a later process could import `module` by its name: found on the Python path, not
+  only in this process's modules (a config file ml_collections loaded, or `__main__`)."""
+  if module == "__main__":
+    return False
+  top = module.split(".")[0]
+  finders = (f for f in sys.meta_path if hasattr(f, "find_spec"))
+  return any(finder.find_spec(top, None) is not None for finder in finders)
+
+
+def check_importable(modules: tuple[str, ...], defined: dict[str, list[str]]) -> None:
+  """Raises ValueError for a module that a later process could not import by its name (what is
+  defined in a config file or a script); `defined`: module -> what it registered, for the
+  message."""
   for module in modules:
-    spec = None if module == "__main__" else importlib.util.find_spec(module)
-    if spec is None:
-      kinds = [k for k, c in POSENCS.items() if c.__module__ == module]
+    if not importable(module):
       raise ValueError(
-        f"the encoding(s) {kinds} are defined in {module!r}, which eval.py and generate.py could "
-        "not import again to open the run: define them in a module on the Python path "
-        "(PYTHONPATH) and import that module in the config file"
+        f"{', '.join(defined.get(module, []))} defined in {module!r}, which eval.py and "
+        "generate.py could not import again to open the run: define it in a module on the "
+        "Python path (PYTHONPATH) and import that module in the config file"
       )
 
 
+def kinds_by_module() -> dict[str, list[str]]:
+  """module -> "posenc.kind 'NAME'" of each encoding it registered."""
+  found: dict[str, list[str]] = {}
+  for kind, cls in POSENCS.items():
+    found.setdefault(cls.__module__, []).append(f"posenc.kind {kind!r}")
+  return found
+
+
 def import_modules(modules) -> None:
-  """Imports the modules a workdir recorded (config.json "imports"), registering their kinds."""
+  """Imports the modules a workdir recorded (config.json "imports"), registering their
+  encodings and attention kernels."""
   for module in modules:
     try:
       importlib.import_module(module)
     except ImportError as e:
       raise ValueError(
-        f'this run\'s encodings come from module {module!r} (config.json "imports"), which '
-        f"cannot be imported ({e}): put the directory that holds it on PYTHONPATH"
+        f"this run's encodings or attention kernels come from module {module!r} (config.json "
+        f'"imports"), which cannot be imported ({e}): put the directory that holds it on '
+        "PYTHONPATH"
       ) from None

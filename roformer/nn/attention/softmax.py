@@ -60,6 +60,31 @@ def check_kernel_config(cfg, posenc_cls, *, head_dim: int = 0) -> None:
     )
 
 
+def _checked_bias(posenc, num_heads: int):
+  """`posenc.bias`, its shape checked when traced: an encoding's bias of the wrong shape is one
+  line naming the encoding, not a broadcasting error deep in a kernel."""
+
+  def bias(qpos_BL, kpos_BS):
+    bias_BHLS = posenc.bias(qpos_BL, kpos_BS)
+    if bias_BHLS is None:
+      return None
+    B, L, S = qpos_BL.shape[0], qpos_BL.shape[1], kpos_BS.shape[1]
+    shape = getattr(bias_BHLS, "shape", ())
+    if (
+      len(shape) != 4
+      or shape[0] not in (1, B)
+      or shape[1] not in (1, num_heads)
+      or (tuple(shape[2:]) != (L, S))
+    ):
+      raise ValueError(
+        f"posenc.kind {posenc.cfg.kind!r}: bias returned shape {tuple(shape)}, not [B, H, L, S] "
+        f"= ({B}, {num_heads}, {L}, {S}) (a 1 for B or H broadcasts)"
+      )
+    return bias_BHLS
+
+  return bias
+
+
 def _cache_sinks(extension) -> tuple[int, int]:
   """(sinks, recent window) a decoding cache keeps under StreamingLLM's extension: the keys no
   later query sees are evicted, so the cache is bounded. (0, 0) for every other setting."""
@@ -254,7 +279,8 @@ class Attention(nnx.Module):
       c_BLH = forget_gate.cumulative(self.forget_gate(x_BLD), c_prev_BH)
     call = AttentionCall(
       causal=self.causal, window=self.window, window_kind=self.window_kind,
-      global_tokens=self.global_tokens, bias_fn=posenc.bias, sink_H=sink_H, **piecewise,
+      global_tokens=self.global_tokens, bias_fn=_checked_bias(posenc, q_BLHK.shape[2]),
+      sink_H=sink_H, **piecewise,
     )  # fmt: skip
     if cache is not None:
       C = cache.k_BCGK.shape[1]

@@ -413,3 +413,18 @@ def test_masked_rewrites_only_the_last_keys():
   got = blocks.masked(s, mask)
   full = jnp.concatenate([jnp.ones((B, 4, 4), bool), mask], axis=-1)
   np.testing.assert_array_equal(got, jnp.where(full[:, None, None], s, NEG))
+
+
+def test_a_kernel_returning_another_shape_than_the_contracts_is_named():
+  heads_first = attention.Kernel(
+    "heads_first", None, lambda features: None,
+    lambda q_BLHK, k, v, qpos, kpos, call: q_BLHK.transpose(0, 2, 1, 3),
+  )  # fmt: skip
+  q, k, v = _qkv(num_kv_heads=H)
+  pos = _positions()
+  with pytest.raises(ValueError, match=r"kernel 'heads_first' returned \(2, 4, 37, 8\), not \["):
+    heads_first(q, k, v, pos, pos, AttentionCall(causal=True))
+  np.testing.assert_array_equal(  # a kernel of the right shape passes through untouched
+    attention.KERNELS["dense"](q, k, v, pos, pos, AttentionCall(causal=True)),
+    attention.dense_attention(q, k, v, pos, pos, AttentionCall(causal=True)),
+  )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 from collections.abc import Callable
 
 import jax
@@ -55,11 +56,33 @@ class Kernel:
   emulated: KernelFn | None = None
 
   def __call__(self, q_BLHK, k_BSGK, v_BSGV, qpos_BL, kpos_BS, call: AttentionCall):
-    return self.call(q_BLHK, k_BSGK, v_BSGV, qpos_BL, kpos_BS, call)
+    o_BLHV = self.call(q_BLHK, k_BSGK, v_BSGV, qpos_BL, kpos_BS, call)
+    expected = (*q_BLHK.shape[:3], v_BSGV.shape[3])
+    if getattr(o_BLHV, "shape", None) != expected:  # at trace time: names the kernel at fault
+      raise ValueError(
+        f"attention kernel {self.name!r} returned {getattr(o_BLHV, 'shape', type(o_BLHV))}, "
+        f"not [B, L, H, V] = {expected} (the contract: roformer/nn/attention/kernels/base.py)"
+      )
+    return o_BLHV
 
 
 # model.attention_impl -> Kernel, in the order registered.
 KERNELS: dict[str, Kernel] = {}
+
+
+# model.attention_impl -> the module that registered it (which may reuse another's function).
+_REGISTERED_BY: dict[str, str] = {}
+
+
+def plugin_modules() -> dict[str, list[str]]:
+  """module -> "model.attention_impl 'NAME'" of each kernel registered outside roformer: what a
+  workdir records so that eval.py and generate.py import them again."""
+  found: dict[str, list[str]] = {}
+  for name in KERNELS:
+    module = _REGISTERED_BY.get(name, "roformer.")
+    if not module.startswith("roformer."):
+      found.setdefault(module, []).append(f"model.attention_impl {name!r}")
+  return found
 
 
 def register_kernel(kernel: Kernel) -> Kernel:
@@ -67,6 +90,8 @@ def register_kernel(kernel: Kernel) -> Kernel:
   if kernel.name in KERNELS:
     raise ValueError(f"an attention kernel named {kernel.name!r} is registered already")
   KERNELS[kernel.name] = kernel
+  # The caller's module: the one a later process must import to have this kernel again.
+  _REGISTERED_BY[kernel.name] = sys._getframe(1).f_globals.get("__name__", "__main__")
   return kernel
 
 
