@@ -17,16 +17,36 @@ _ACCELERATOR_MODULES = ("libtpu", "jax_cuda12_plugin", "jax_cuda13_plugin", "jax
 
 def runs_on_cpu_only() -> bool:
   """True when JAX will use only the CPU: JAX_PLATFORMS=cpu, or unset with no accelerator plugin
-  that has its hardware here (libtpu without a TPU chip counts as none)."""
+  that has its hardware here (libtpu without a TPU chip, a CUDA plugin without an NVIDIA GPU
+  count as none)."""
   platforms = os.environ.get("JAX_PLATFORMS", "")
   if platforms:
     return platforms.strip().lower() == "cpu"
   for name in _ACCELERATOR_MODULES:
     if importlib.util.find_spec(name) is None:
       continue
-    if name != "libtpu" or "JAX_FORCE_TPU_INIT" in os.environ or tpu_attached():
+    if name == "libtpu":
+      if "JAX_FORCE_TPU_INIT" in os.environ or tpu_attached():
+        return False
+    elif gpu_attached(rocm=name.startswith("jax_rocm")):
       return False
   return True
+
+
+def gpu_attached(rocm: bool = False) -> bool:
+  """Whether an NVIDIA (or, with `rocm`, an AMD) GPU's device files are here: /dev/nvidia0, ...
+  (/dev/kfd). A CUDA plugin installed without one (to compile for GPUs,
+  benchmarks/gpu_targets.py) would otherwise fail to start with a traceback in every run."""
+  if rocm:
+    return os.path.exists("/dev/kfd")
+  return any(n.startswith("nvidia") and n[len("nvidia") :].isdigit() for n in _listdir("/dev"))
+
+
+def _listdir(path: str) -> list[str]:
+  try:
+    return os.listdir(path)
+  except OSError:
+    return []
 
 
 def tpu_attached() -> bool:
@@ -54,8 +74,9 @@ def set_default_cpu_flags(keep_freed_memory: bool = True) -> bool:
 
   The last because JAX otherwise loads an installed libtpu (`jax[tpu]`) on any machine, and on
   one without a TPU chip its failure prints libtpu's warnings and "Unable to initialize backend
-  'tpu'" in every run; where a chip is attached (or JAX_FORCE_TPU_INIT is set) JAX probes as
-  always, so a TPU that fails to start still says why.
+  'tpu'" in every run (a CUDA plugin without a GPU, its traceback); where a chip is attached
+  (or JAX_FORCE_TPU_INIT is set) JAX probes as always, so a TPU that fails to start still says
+  why.
 
   Must run before JAX initialises its backends. Returns True when it set XLA_FLAGS.
   """

@@ -139,3 +139,31 @@ def test_jax_tpu_installed_on_a_cpu_machine_starts_without_tpu_lines():
   )  # fmt: skip
   assert proc.stdout.strip() == "cpu"
   assert "tpu" not in proc.stderr.lower(), proc.stderr[-2000:]
+
+
+@pytest.mark.skipif(
+  importlib.util.find_spec("jax_cuda13_plugin") is None or cpu_flags.gpu_attached(),
+  reason="needs JAX's CUDA plugin installed on a machine without an NVIDIA GPU",
+)
+def test_a_cuda_plugin_installed_on_a_machine_without_a_gpu_starts_on_the_cpu_quietly():
+  env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+  proc = subprocess.run(
+    [sys.executable, "-c", _START_JAX],
+    env=dict(env, PYTHONPATH=str(REPO)),
+    capture_output=True, text=True, timeout=120, check=True,
+  )  # fmt: skip
+  assert proc.stdout.strip() == "cpu"
+  assert "cuda" not in proc.stderr.lower() and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("devices, attached", [(["null", "nvidiactl"], False),
+                                               (["nvidiactl", "nvidia0"], True)])  # fmt: skip
+def test_a_cuda_plugin_without_a_gpu_device_file_is_cpu_only(monkeypatch, devices, attached):
+  monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+  monkeypatch.setattr(
+    cpu_flags.importlib.util, "find_spec",
+    lambda name: object() if name == "jax_cuda13_plugin" else None,
+  )  # fmt: skip
+  monkeypatch.setattr(cpu_flags, "_listdir", lambda path: devices if path == "/dev" else [])
+  assert cpu_flags.gpu_attached() is attached
+  assert cpu_flags.runs_on_cpu_only() is not attached
