@@ -1,8 +1,10 @@
-"""An encoding from the user's own module: trained, resumed, evaluated and sampled by the CLIs.
+"""An encoding and an attention kernel from the user's own modules: trained, resumed, evaluated
+and sampled by the CLIs; and a user's mistakes there, each one line saying where.
 
-The module (docs/examples/gauss_bias.py, copied into a temporary directory) and a config file that
-imports it live outside the repository, as in a researcher's own project; nothing of the
-repository is edited. Its directory is on PYTHONPATH, as a user's package would be.
+The modules (docs/examples/gauss_bias.py, copied into a temporary directory, and a kernel) and a
+config file that imports them live outside the repository, as in a researcher's own project;
+nothing of the repository is edited. Their directory is on PYTHONPATH, as a user's package
+would be.
 """
 
 import json
@@ -37,6 +39,14 @@ SHORT = {
   "train.eval_every_steps": 0,
   "train.log_every_steps": 1,
 }
+
+
+KERNEL_MODULE = """
+from roformer.nn.attention.kernels import Kernel, register_kernel
+from roformer.nn.attention.oracle import reference_attention
+
+register_kernel(Kernel("mine", None, lambda features: None, reference_attention))
+"""
 
 
 def _project(tmp_path, **config):
@@ -80,26 +90,33 @@ def _records(workdir):
 
 
 @pytest.mark.slow
-def test_an_encoding_of_the_users_own_trains_resumes_evaluates_and_generates(tmp_path):
+def test_an_encoding_and_a_kernel_of_the_users_own_train_resume_evaluate_and_generate(tmp_path):
   before = _repository_state()
   project = _project(
-    tmp_path, imports=WITH_IMPORT["imports"], field="  config.posenc.gauss_init_sigma = 4.0"
-  )
+    tmp_path, imports=WITH_IMPORT["imports"] + "\nimport my_kernels",
+    field="  config.posenc.gauss_init_sigma = 4.0\n  config.model.attention_impl = 'mine'",
+  )  # fmt: skip
+  (project / "my_kernels.py").write_text(KERNEL_MODULE)
   workdir = tmp_path / "run"
-  result = _train(project, workdir)
+  result = _train(project, workdir, **{"model.attention_impl": "mine"})
   assert result.returncode == 0, result.stderr[-3000:]
   saved = json.loads((workdir / "config.json").read_text())
   assert saved["posenc"]["kind"] == "gauss" and saved["posenc"]["gauss_init_sigma"] == 4.0
-  assert saved["imports"] == ["gauss_bias"]  # what eval.py and generate.py import again
+  assert saved["model"]["attention_impl"] == "mine"
+  # What eval.py and generate.py import again: the encoding's module and the kernel's.
+  assert saved["imports"] == ["gauss_bias", "my_kernels"]
   first = {r["step"]: r["train_loss"] for r in _records(workdir) if "train_loss" in r}
   assert sorted(first) == [1, 2, 3, 4]
 
   # A restart with more steps resumes from step 4; the field cannot change on resume.
-  result = _train(project, workdir, **{"train.num_train_steps": 6})
+  result = _train(project, workdir, **{"train.num_train_steps": 6, "model.attention_impl": "mine"})
   assert result.returncode == 0, result.stderr[-3000:]
   steps = [r["step"] for r in _records(workdir) if "train_loss" in r]
   assert steps == [1, 2, 3, 4, 5, 6]  # no step trained twice: it resumed
-  changed = _train(project, workdir, **{"train.num_train_steps": 8, "posenc.gauss_init_sigma": 2.0})
+  changed = _train(
+    project, workdir,
+    **{"train.num_train_steps": 8, "posenc.gauss_init_sigma": 2.0, "model.attention_impl": "mine"},
+  )  # fmt: skip
   assert changed.returncode != 0 and "posenc.gauss_init_sigma: 4.0 -> 2.0" in changed.stderr
 
   # eval.py and generate.py open the workdir by its config.json alone (no --config).
@@ -207,35 +224,3 @@ def test_a_mistake_in_the_users_project_is_one_line_saying_where(tmp_path, case)
   for text in expected:
     assert text in errors[0], errors[0]
   assert not (tmp_path / "run" / "config.json").exists()
-
-
-KERNEL_MODULE = """
-from roformer.nn.attention.kernels import Kernel, register_kernel
-from roformer.nn.attention.oracle import reference_attention
-
-register_kernel(Kernel("mine", None, lambda features: None, reference_attention))
-"""
-
-
-@pytest.mark.slow
-def test_a_kernel_of_the_users_own_is_recorded_and_eval_and_generate_open_its_run(tmp_path):
-  project = _project(tmp_path, **WITH_IMPORT)
-  (project / "my_kernels.py").write_text(KERNEL_MODULE)
-  (project / "gauss_config.py").write_text(
-    "import my_kernels\nfrom configs import default\n\n\ndef get_config():\n"
-    "  config = default.get_config()\n  config.model.attention_impl = 'mine'\n  return config\n"
-  )
-  workdir = tmp_path / "run"
-  result = _train(project, workdir, **{"train.num_train_steps": 2, "model.attention_impl": "mine"})
-  assert result.returncode == 0, result.stderr[-3000:]
-  saved = json.loads((workdir / "config.json").read_text())
-  assert saved["model"]["attention_impl"] == "mine" and saved["imports"] == ["my_kernels"]
-  result = _run(
-    "eval.py", f"--workdir={workdir}", "--lengths=16", "--max_tokens=32", "--out=mine", cwd=project
-  )
-  assert result.returncode == 0, result.stderr[-3000:]
-  assert json.loads((workdir / "eval" / "mine.json").read_text())["records"][0]["loss"] > 0
-  result = _run(
-    "generate.py", f"--workdir={workdir}", "--prompt=def ", "--max_new_tokens=4", cwd=project
-  )
-  assert result.returncode == 0, result.stderr[-3000:]

@@ -65,14 +65,6 @@ def test_step_compiles_for_eight_h100s_with_fsdp_and_calls_cudnn_as_meant(overri
   }, calls
 
 
-@pytest.mark.slow
-@needs_cuda_plugin
-def test_float32_runs_xla_kernels_not_cudnn():
-  result = _compile("--config.model.dtype=float32")
-  assert result.returncode == 0, result.stderr[-3000:]
-  assert not any(t.startswith("__cudnn") for t, _, _ in _calls(result.stdout))
-
-
 def test_custom_calls_are_counted_by_target_mask_and_operands():
   hlo = "\n".join([
     '  %a = (bf16[2,4,8,16]{3,2,1,0}, u8[0]{0}) custom-call(%q, %k, %v), '
