@@ -6,6 +6,7 @@ The logic lives in roformer/train/ (loop.py drives a run).
 import os
 import re
 import sys
+import sysconfig
 import traceback
 
 from absl import app, flags, logging
@@ -109,7 +110,8 @@ def _parse_flags(argv):
   except (AttributeError, ImportError, KeyError, TypeError, ValueError) as e:
     text = " ".join(str(e).replace("\\n", " ").replace("\\'", "'").split()).strip("'\"")
     if (where := _raised_in_users_code(e)) is not None:  # the config file, or what it imports
-      hint = " (is its directory on PYTHONPATH?)" if isinstance(e, ImportError) else ""
+      missing_module = isinstance(e, ModuleNotFoundError)
+      hint = " (is it installed, or its directory on PYTHONPATH?)" if missing_module else ""
       _error(f"{where}: {type(e).__name__}: {' '.join(str(e).split())}{hint}")
     overrides = [a.split("=")[0][2:] for a in argv[1:] if a.startswith("--config.")]
     if isinstance(e, AttributeError | KeyError):  # ml_collections: an unknown name
@@ -130,8 +132,11 @@ def _parse_flags(argv):
           "; an encoding's own fields exist once the module that registers it is imported: "
           "import it in the config file (docs/extending.md)"
         )
-      name = f"{group}.{missing}" if group else missing or text
-      _error(f"--config={_config_path(argv)}: {name} is not a config field{hint}")
+      if group == "":  # the top level: a group's name
+        what = f"{missing} is not a config group"
+      else:
+        what = f"{f'{group}.' if group else ''}{missing or text} is not a config field"
+      _error(f"--config={_config_path(argv)}: {what}{hint}")
     culprit = next((o for o in overrides if o.rsplit(".", 1)[-1] in text), "config")
     _error(f"--{culprit}: {text}")
 
@@ -147,31 +152,45 @@ def _config_path(argv) -> str:
 
 
 def _raised_in_users_code(e: Exception) -> str | None:
-  """ "FILE, line N" where `e` was raised when that is neither ml_collections nor this project
-  (a mistake in the config file or a module of the user's it imports), else None."""
+  """ "FILE, line N (source)" of the user's code that raised `e` (a mistake in the config file or
+  in a module of the user's it imports: the innermost frame outside the libraries), or None when
+  ml_collections or this project raised it (a config error, reported as such)."""
   frames = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith("<")]
   if not frames:  # e.g. raised inside importlib itself
     return None
-  last = frames[-1]
-  path = os.path.realpath(last.filename)
-  ours = (os.path.join(_REPO, "roformer") + os.sep, os.sep + "ml_collections" + os.sep)
-  if any(part in path for part in ours):
+
+  def under(frame, *folders) -> bool:
+    return any(folder in os.path.realpath(frame.filename) for folder in folders)
+
+  if under(frames[-1], os.path.join(_REPO, "roformer") + os.sep, f"{os.sep}ml_collections{os.sep}"):
     return None
-  return f"{last.filename}, line {last.lineno}" + (f" ({last.line})" if last.line else "")
+  libraries = (sysconfig.get_paths()["stdlib"] + os.sep, "-packages" + os.sep)
+  users = [f for f in frames if not under(f, *libraries, os.path.realpath(__file__))]
+  frame = users[-1] if users else frames[-1]
+  return f"{frame.filename}, line {frame.lineno}" + (f" ({frame.line})" if frame.line else "")
 
 
 def _group_listed(text: str) -> str | None:
-  """The config group whose fields ml_collections lists after an unknown name ("Other fields
-  present: {...}"): the group of configs/default.py sharing the most of them."""
+  """The config group (dotted; "" for the top level) whose fields ml_collections lists after an
+  unknown name ("Other fields present: {...}"): the ConfigDict of configs/default.py whose
+  fields are most nearly those."""
   listed = set(re.findall(r"'(\w+)': ", text.partition("Other fields present")[2]))
   if not listed:
     return None
   from configs import default
 
-  config = default.get_config()
-  groups = [g for g in config if hasattr(config[g], "keys")]
-  best = max(groups, key=lambda g: len(listed & set(config[g].keys())), default=None)
-  return best if best and listed & set(config[best].keys()) else None
+  nodes = {}
+
+  def walk(node, path):
+    nodes[path] = set(node.keys())
+    for key in node.keys():
+      if hasattr(node[key], "keys"):
+        walk(node[key], f"{path}.{key}" if path else key)
+
+  walk(default.get_config(), "")
+  score = {path: len(listed & keys) / len(listed | keys) for path, keys in nodes.items()}
+  best = max(score, key=score.get)
+  return best if score[best] > 0 else None
 
 
 def main(argv):

@@ -198,9 +198,22 @@ _MISTAKES = {
     CONFIG.format(field="  config.model.num_layerz = 2", **{"imports": WITH_IMPORT["imports"]}),
     None, ["model.num_layerz is not a config field", 'Did you mean "num_layers"'],
   ),
+  "misspelt_nested_field": (
+    CONFIG.format(field="  config.posenc.scaling.factr = 2.0", **{"imports": ""}), None,
+    ["posenc.scaling.factr is not a config field", 'Did you mean "factor"'],
+  ),
+  "misspelt_group": (
+    CONFIG.format(field="  config.modle = 3", **{"imports": ""}), None,
+    ["modle is not a config group", 'Did you mean "model"'],
+  ),
   "typo_in_the_users_module": (
     "import own_module\nfrom configs import default\nget_config = default.get_config\n",
     _OWN_MODULE, ["own_module.py, line 11", "AttributeError", "has no attribute 'parm'"],
+  ),
+  "library_raising_for_the_users_module": (  # the user's line, not numpy's
+    "import own_module\nfrom configs import default\nget_config = default.get_config\n",
+    "import numpy as np\n\nx = np.flaot32(1)\n",
+    ["own_module.py, line 3 (x = np.flaot32(1))", "has no attribute 'flaot32'"],
   ),
   "encoding_defined_in_the_config_file": (
     _INLINE_ENCODING + "from configs import default\n\n\ndef get_config():\n"

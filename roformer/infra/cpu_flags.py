@@ -34,12 +34,19 @@ def runs_on_cpu_only() -> bool:
 
 
 def gpu_attached(rocm: bool = False) -> bool:
-  """Whether an NVIDIA (or, with `rocm`, an AMD) GPU's device files are here: /dev/nvidia0, ...
-  (/dev/kfd). A CUDA plugin installed without one (to compile for GPUs,
-  benchmarks/gpu_targets.py) would otherwise fail to start with a traceback in every run."""
+  """Whether this machine shows an NVIDIA GPU (or, with `rocm`, an AMD one: /dev/kfd): a device
+  file /dev/nvidia0, ..., a GPU the loaded driver lists in /proc/driver/nvidia/gpus (its device
+  files may be made only at the first CUDA call), or WSL2's /dev/dxg. A CUDA plugin installed
+  without one (to compile for GPUs, benchmarks/gpu_targets.py) would otherwise fail to start
+  with a traceback in every run."""
   if rocm:
     return os.path.exists("/dev/kfd")
-  return any(n.startswith("nvidia") and n[len("nvidia") :].isdigit() for n in _listdir("/dev"))
+  devices = _listdir("/dev")
+  return (
+    any(n.startswith("nvidia") and n[len("nvidia") :].isdigit() for n in devices)
+    or "dxg" in devices
+    or bool(_listdir("/proc/driver/nvidia/gpus"))
+  )
 
 
 def _listdir(path: str) -> list[str]:

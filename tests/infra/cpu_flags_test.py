@@ -156,14 +156,18 @@ def test_a_cuda_plugin_installed_on_a_machine_without_a_gpu_starts_on_the_cpu_qu
   assert "cuda" not in proc.stderr.lower() and "Traceback" not in proc.stderr, proc.stderr[-2000:]
 
 
-@pytest.mark.parametrize("devices, attached", [(["null", "nvidiactl"], False),
-                                               (["nvidiactl", "nvidia0"], True)])  # fmt: skip
-def test_a_cuda_plugin_without_a_gpu_device_file_is_cpu_only(monkeypatch, devices, attached):
+@pytest.mark.parametrize("files, attached", [
+  ({"/dev": ["null", "nvidiactl"]}, False),
+  ({"/dev": ["nvidiactl", "nvidia0"]}, True),
+  ({"/dev": ["null"], "/proc/driver/nvidia/gpus": ["0000:01:00.0"]}, True),  # before modprobe
+  ({"/dev": ["dxg"]}, True),  # WSL2
+])  # fmt: skip
+def test_a_cuda_plugin_without_a_gpu_is_cpu_only(monkeypatch, files, attached):
   monkeypatch.delenv("JAX_PLATFORMS", raising=False)
   monkeypatch.setattr(
     cpu_flags.importlib.util, "find_spec",
     lambda name: object() if name == "jax_cuda13_plugin" else None,
   )  # fmt: skip
-  monkeypatch.setattr(cpu_flags, "_listdir", lambda path: devices if path == "/dev" else [])
+  monkeypatch.setattr(cpu_flags, "_listdir", lambda path: files.get(path, []))
   assert cpu_flags.gpu_attached() is attached
   assert cpu_flags.runs_on_cpu_only() is not attached

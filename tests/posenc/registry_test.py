@@ -187,24 +187,31 @@ def test_the_listing_shows_every_kind_and_field_and_imports_a_users_module(capsy
   assert "--import=no_such_module" in capsys.readouterr().err
 
 
-def test_a_bias_of_the_wrong_shape_is_one_line_naming_the_encoding():
+@pytest.mark.parametrize(
+  "heads, probed",
+  [
+    (None, "(1, 1, 1)"),  # [B, L, S]: the head axis forgotten
+    (1, "(1, 1, 1, 1)"),  # [B, 1, L, S]: one row for every head, which no kernel splits by head
+  ],
+)
+def test_a_bias_of_the_wrong_shape_is_one_line_naming_the_encoding(heads, probed):
   from flax import nnx
 
   from roformer.nn import model as model_lib
   from roformer.nn.config import ModelConfig
 
-  class Flat(posenc.PosEnc):  # [B, L, S]: the head axis forgotten
+  class Flat(posenc.PosEnc):
     def bias(self, qpos_BL, kpos_BS):
-      return jnp.zeros((qpos_BL.shape[0], qpos_BL.shape[1], kpos_BS.shape[1]), jnp.float32)
+      B, L, S = qpos_BL.shape[0], qpos_BL.shape[1], kpos_BS.shape[1]
+      return jnp.zeros((B, L, S) if heads is None else (B, heads, L, S), jnp.float32)
 
   posenc.register("flat", Flat)
   try:
     cfg = ModelConfig(kind="decoder", vocab_size=16, num_layers=1, emb_dim=16, num_heads=2,
                       mlp_dim=32, posenc=PosEncConfig(kind="flat"))  # fmt: skip
     model = model_lib.make_model(cfg, rngs=nnx.Rngs(0))
-    with pytest.raises(
-      ValueError, match=r"posenc.kind 'flat': bias returned shape \(1, 1, 1\), not \[B, H, L, S\]"
-    ):
+    message = rf"posenc.kind 'flat': bias returned shape {re.escape(probed)}, not \[B, H, L, S\]"
+    with pytest.raises(ValueError, match=message):
       model(jnp.zeros((1, 8), jnp.int32), jnp.arange(8)[None])
   finally:
     posenc.unregister("flat")

@@ -70,15 +70,12 @@ def _checked_bias(posenc, num_heads: int):
       return None
     B, L, S = qpos_BL.shape[0], qpos_BL.shape[1], kpos_BS.shape[1]
     shape = getattr(bias_BHLS, "shape", ())
-    if (
-      len(shape) != 4
-      or shape[0] not in (1, B)
-      or shape[1] not in (1, num_heads)
-      or (tuple(shape[2:]) != (L, S))
-    ):
+    # Every kernel splits the bias by head (over GQA groups, over the mesh): a row per head, while
+    # a batch of one broadcasts over the batch.
+    if len(shape) != 4 or shape[0] not in (1, B) or tuple(shape[1:]) != (num_heads, L, S):
       raise ValueError(
         f"posenc.kind {posenc.cfg.kind!r}: bias returned shape {tuple(shape)}, not [B, H, L, S] "
-        f"= ({B}, {num_heads}, {L}, {S}) (a 1 for B or H broadcasts)"
+        f"= ({B}, {num_heads}, {L}, {S}) (B may be 1)"
       )
     return bias_BHLS
 
