@@ -96,7 +96,8 @@ def cudnn_attention(
 
   # Split over the mesh like the other opaque kernels (batch over data and fsdp, heads over
   # tensor), not by the call's own partitioning rule: that rule wants q, k and v sharded alike,
-  # which XLA's sharding propagation does not promise (an FSDP mesh gave them different ones).
+  # which XLA's sharding propagation does not promise (a data x fsdp mesh gave them different
+  # ones).
   def split(x_B_LS, heads):  # logical dims of a bias or mask, [B or 1, H or 1, L, S]
     if x_B_LS is None:
       return (None,) * 4
