@@ -44,21 +44,16 @@ def _error(message: str) -> None:
 
 def _check_config_file(argv) -> None:
   """One line for a --config path that names no file (ml_collections would raise twice, later)."""
-  for i, arg in enumerate(argv[1:], start=1):
-    if arg == "--config" and i + 1 < len(argv):
-      arg = f"--config={argv[i + 1]}"
-    if not arg.startswith("--config="):
-      continue
-    path = arg.split("=", 1)[1].split(":", 1)[0]  # PATH[:ARG]
-    if not os.path.isfile(path):
-      folder = os.path.dirname(path) or "."
-      choices = sorted(
-        f
-        for f in (os.listdir(folder) if os.path.isdir(folder) else [])
-        if f.endswith(".py") and not f.startswith("_")
-      )
-      hint = f"; {folder}/ has {', '.join(choices)}" if choices else ""
-      _error(f"--config={path}: no such file{hint}")
+  path = _config_path(argv)
+  if path is not None and not os.path.isfile(path):
+    folder = os.path.dirname(path) or "."
+    choices = sorted(
+      f
+      for f in (os.listdir(folder) if os.path.isdir(folder) else [])
+      if f.endswith(".py") and not f.startswith("_")
+    )
+    hint = f"; {folder}/ has {', '.join(choices)}" if choices else ""
+    _error(f"--config={path}: no such file{hint}")
 
 
 def _without_traceback(message: str) -> str:
@@ -141,14 +136,14 @@ def _parse_flags(argv):
     _error(f"--{culprit}: {text}")
 
 
-def _config_path(argv) -> str:
-  """The --config file of the command line (without its :ARG)."""
+def _config_path(argv) -> str | None:
+  """The --config file of the command line (without its :ARG), None without one."""
   for i, arg in enumerate(argv[1:], start=1):
     if arg == "--config" and i + 1 < len(argv):
       return argv[i + 1].split(":", 1)[0]
     if arg.startswith("--config="):
       return arg.split("=", 1)[1].split(":", 1)[0]
-  return "?"
+  return None
 
 
 def _raised_in_users_code(e: Exception) -> str | None:

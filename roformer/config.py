@@ -441,13 +441,17 @@ def to_dict(run_config: RunConfig) -> dict:
     "mesh": json.loads(json.dumps(dataclasses.asdict(run_config.mesh))),
   }
   if modules := plugin_modules():
-    values[IMPORTS_KEY] = list(modules)
+    values[IMPORTS_KEY] = sorted(modules)
   return values
 
 
-def plugin_modules() -> tuple[str, ...]:
-  """The modules outside roformer that registered encodings or attention kernels."""
-  return tuple(sorted({*registry.plugin_modules(), *kernel_base.plugin_modules()}))
+def plugin_modules() -> dict[str, list[str]]:
+  """module -> what it registered, of the modules outside roformer that registered encodings
+  or attention kernels."""
+  found = registry.plugin_modules()
+  for module, names in kernel_base.plugin_modules().items():
+    found.setdefault(module, []).extend(names)
+  return found
 
 
 def _flatten(tree: Mapping, prefix: str = "") -> dict:
@@ -521,10 +525,7 @@ def check_resume(old: Mapping, new: RunConfig) -> None:
 
 def write_config_json(workdir: str | epath.Path, run_config: RunConfig) -> None:
   try:  # eval.py and generate.py must be able to import them again
-    defined = registry.kinds_by_module()
-    for module, names in kernel_base.plugin_modules().items():
-      defined.setdefault(module, []).extend(names)
-    registry.check_importable(plugin_modules(), defined)
+    registry.check_importable(plugin_modules())
   except ValueError as e:
     raise ConfigError(str(e)) from None
   path = epath.Path(workdir)

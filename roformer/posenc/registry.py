@@ -79,12 +79,15 @@ def unknown_kind_message(kind: str, field: str = "posenc.kind") -> str:
   )
 
 
-def plugin_modules() -> tuple[str, ...]:
-  """The modules outside roformer that registered encodings (with the attention kernels' of
-  `kernels.base.plugin_modules`, what a workdir records so that eval.py and generate.py can
-  import them again)."""
-  modules = {cls.__module__ for cls in POSENCS.values()}
-  return tuple(sorted(m for m in modules if not m.startswith(_BUILTIN_PACKAGE)))
+def plugin_modules() -> dict[str, list[str]]:
+  """module -> "posenc.kind 'NAME'" of each encoding registered outside roformer (with the
+  attention kernels' of `kernels.base.plugin_modules`, what a workdir records so that eval.py and
+  generate.py can import them again)."""
+  found: dict[str, list[str]] = {}
+  for kind, cls in POSENCS.items():
+    if not cls.__module__.startswith(_BUILTIN_PACKAGE):
+      found.setdefault(cls.__module__, []).append(f"posenc.kind {kind!r}")
+  return found
 
 
 def importable(module: str) -> bool:
@@ -97,25 +100,16 @@ def importable(module: str) -> bool:
   return any(finder.find_spec(top, None) is not None for finder in finders)
 
 
-def check_importable(modules: tuple[str, ...], defined: dict[str, list[str]]) -> None:
+def check_importable(plugins: dict[str, list[str]]) -> None:
   """Raises ValueError for a module that a later process could not import by its name (what is
-  defined in a config file or a script); `defined`: module -> what it registered, for the
-  message."""
-  for module in modules:
+  defined in a config file or a script); `plugins`: module -> what it registered."""
+  for module, names in plugins.items():
     if not importable(module):
       raise ValueError(
-        f"{', '.join(defined.get(module, []))} defined in {module!r}, which eval.py and "
-        "generate.py could not import again to open the run: define it in a module on the "
-        "Python path (PYTHONPATH) and import that module in the config file"
+        f"{', '.join(names)} defined in {module!r}, which eval.py and generate.py could not "
+        "import again to open the run: define it in a module on the Python path (PYTHONPATH) "
+        "and import that module in the config file"
       )
-
-
-def kinds_by_module() -> dict[str, list[str]]:
-  """module -> "posenc.kind 'NAME'" of each encoding it registered."""
-  found: dict[str, list[str]] = {}
-  for kind, cls in POSENCS.items():
-    found.setdefault(cls.__module__, []).append(f"posenc.kind {kind!r}")
-  return found
 
 
 def import_modules(modules) -> None:
