@@ -6,8 +6,12 @@ only imports under `if TYPE_CHECKING:` are left out, since they never run.
 
 import ast
 import pathlib
+import subprocess
+import sys
 
 import pytest
+
+from roformer import testing
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "roformer"
 
@@ -158,3 +162,33 @@ def test_the_checks_catch_a_violation_and_a_circle():
   assert "roformer.data.sources" in imports_of("roformer.data.tokenizer")  # a local import
   assert "roformer.data.batches" in imports_of("roformer.data.corpus")
   assert "roformer.data.corpus" not in imports_of("roformer.data.batches")
+
+
+# What the entry points import before they read a document: train.py (its tokens cached),
+# eval.py and generate.py of a trained run, and scoring a Hugging Face decoder.
+ENTRY_MODULES = (
+  "roformer.train.loop", "roformer.evals.ppl_vs_length", "roformer.evals.spec",
+  "roformer.evals.effective_length", "roformer.generate", "roformer.runs", "roformer.hf.decoders",
+)  # fmt: skip
+
+
+def test_the_entry_points_start_without_datasets_or_torch():
+  # `datasets` takes about a second to import (pandas, pyarrow's datasets): the sources import it
+  # where they read documents, so a run whose tokens are cached, eval.py and generate.py start
+  # without it. torch and transformers are never imported (reference fixtures only).
+  code = (
+    "import importlib, sys\n"
+    "for name in sys.argv[1:]: importlib.import_module(name)\n"
+    "print(sorted({'datasets', 'pandas', 'torch', 'transformers'} & set(sys.modules)))\n"
+    # Reading documents imports it: the check sees an import where one happens.
+    "from roformer.data import config, sources\n"
+    f"cfg = config.DataConfig(source='files', files='{testing.CORPUS}/train/*.txt')\n"
+    "assert len(sources.make_source(cfg).documents('train')) > 0\n"
+    "print('datasets' in sys.modules)\n"
+  )
+  done = subprocess.run(
+    [sys.executable, "-c", code, *ENTRY_MODULES],
+    env=testing.subprocess_env(), capture_output=True, text=True, timeout=120,
+  )  # fmt: skip
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert done.stdout.split("\n")[:2] == ["[]", "True"], done.stdout

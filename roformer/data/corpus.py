@@ -9,8 +9,8 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import datasets
 import numpy as np
 
 from roformer.data.batches import TrainBatches
@@ -19,6 +19,9 @@ from roformer.data.config import DataConfig
 from roformer.data.sources import Source, cache_root, make_source
 from roformer.data.tokenizer import Tokenizer, build_tokenizer
 from roformer.errors import DataError
+
+if TYPE_CHECKING:  # imported where documents are read (sources/base.py)
+  import datasets
 
 log = logging.getLogger(__name__)
 

@@ -9,13 +9,18 @@ from __future__ import annotations
 
 import abc
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import datasets
 import pyarrow.compute as pc
 
 from roformer.data.config import DataConfig
 from roformer.errors import DataError
+
+if TYPE_CHECKING:
+  # Every source imports `datasets` where it reads documents, not at the top: the import takes
+  # about a second (pandas, pyarrow's datasets), which a run whose tokens are cached, eval.py
+  # and generate.py would pay at every start for nothing.
+  import datasets
 
 SPLITS = ("train", "validation", "test")
 
@@ -77,4 +82,6 @@ def hold_out(ds: datasets.Dataset, *, fraction: float, split: str) -> datasets.D
   if line_start > 0:
     cut = line_start
   part = text[:cut] if split == "train" else text[cut:]
+  import datasets
+
   return datasets.Dataset.from_dict({"text": [part]})

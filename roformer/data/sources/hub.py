@@ -12,13 +12,16 @@ import logging
 import os
 import urllib.error
 import urllib.request
+from typing import TYPE_CHECKING
 
-import datasets
 import huggingface_hub
 
 from roformer.data.config import DataConfig
 from roformer.data.sources import base
 from roformer.errors import DataError
+
+if TYPE_CHECKING:  # imported where documents are read (base.py)
+  import datasets
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +61,8 @@ def check_hub_reachable(name: str) -> None:
 @contextlib.contextmanager
 def _without_torch():
   """Stops `datasets` from importing torch (6 s, unused here) for streaming datasets."""
+  import datasets
+
   saved = datasets.config.TORCH_AVAILABLE
   datasets.config.TORCH_AVAILABLE = False
   try:
@@ -117,6 +122,8 @@ class HubSource(base.Source):
       return self._fetch_split(hub_split, field=field)
 
   def _fetch_split(self, hub_split: str, *, field: str) -> datasets.Dataset:
+    import datasets
+
     cfg = self._cfg
     try:
       ds = datasets.load_dataset(

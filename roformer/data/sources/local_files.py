@@ -12,13 +12,16 @@ import glob
 import json
 import logging
 import os
+from typing import TYPE_CHECKING
 
-import datasets
 import pyarrow.parquet as pq
 
 from roformer.data.config import DataConfig
 from roformer.data.sources import base
 from roformer.errors import DataError
+
+if TYPE_CHECKING:  # imported where documents are read (base.py)
+  import datasets
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +104,8 @@ class FilesSource(base.Source):
     return f"{field}={pattern!r}"
 
   def _read(self, paths: list[str], *, where: str) -> datasets.Dataset:
+    import datasets
+
     paths = [p for p in paths if os.path.getsize(p) > 0]
     if not paths:
       raise DataError(f"{where}: every matched file is empty (empty corpus)")

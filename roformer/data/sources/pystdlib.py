@@ -12,11 +12,13 @@ import os
 import sys
 import sysconfig
 from collections.abc import Iterator
-
-import datasets
+from typing import TYPE_CHECKING
 
 from roformer.data.sources import base
 from roformer.errors import DataError
+
+if TYPE_CHECKING:  # imported where documents are read (base.py)
+  import datasets
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +27,6 @@ EXCLUDED_DIRS = frozenset(
 )
 # Percent of files per split, in the order of base.SPLITS.
 SPLIT_PERCENT = {"train": 90, "validation": 5, "test": 5}
-_FEATURES = datasets.Features({"text": datasets.Value("string"), "path": datasets.Value("string")})
 
 
 def stdlib_files(root: str) -> list[str]:
@@ -93,9 +94,12 @@ class PyStdlibSource(base.Source):
     return f"data.source='pystdlib' ({self.root})"
 
   def _load(self, split: str) -> datasets.Dataset:
+    import datasets
+
+    text = datasets.Value("string")
     return datasets.Dataset.from_generator(
       _read_files,
-      features=_FEATURES,
+      features=datasets.Features({"text": text, "path": text}),
       cache_dir=self._cache_dir,
       gen_kwargs={
         "root": self.root,
