@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every test, slow ones included: bash scripts/test.sh [extra pytest arguments]
-# (about 16 minutes on 2 CPU cores; `python -m pytest tests/<dir>` runs one directory).
+# (13 to 18 minutes on 2 CPU cores; `python -m pytest tests/<dir>` runs one directory).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
