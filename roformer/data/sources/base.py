@@ -69,6 +69,8 @@ def hold_out(ds: datasets.Dataset, *, fraction: float, split: str) -> datasets.D
   At least one document is held out. A corpus of a single document (e.g. one .txt file) is cut
   instead at the line boundary nearest before the last `fraction` of its characters.
   """
+  import datasets
+
   if not 0.0 < fraction < 1.0:
     raise DataError(f"data.validation_fraction={fraction} must be in (0, 1) to hold out validation")
   n = len(ds)
@@ -82,6 +84,4 @@ def hold_out(ds: datasets.Dataset, *, fraction: float, split: str) -> datasets.D
   if line_start > 0:
     cut = line_start
   part = text[:cut] if split == "train" else text[cut:]
-  import datasets
-
   return datasets.Dataset.from_dict({"text": [part]})
